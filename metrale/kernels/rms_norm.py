@@ -1,0 +1,85 @@
+"""RMSNorm and fused residual-add + RMSNorm, with HF LlamaRMSNorm's rounding.
+
+HF order of casts (reproduced exactly; only the fp32 sum order differs):
+    h = x.float(); h = h * rsqrt(mean(h^2) + eps); out = weight * h.to(x.dtype)
+`weight * ...` is a product of two model-dtype values; it is computed exactly in
+fp32 and rounded once, which is what torch does for bf16/fp16 products.
+For the fused variant, new_residual = x + residual is rounded to the model dtype
+BEFORE normalising (as HF does: `hidden = residual + hidden` in model dtype).
+Outputs have x's dtype. Both functions return new tensors (inputs untouched).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.kernels import reference, tl, triton, use_triton
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_res, stride_out, stride_res_out,
+    hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program per row; the whole row fits in one BLOCK (BLOCK >= hidden).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # rounded like HF
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
+    normed = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF casts back before * weight
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x, residual, weight, eps):
+    hidden = x.shape[-1]
+    assert weight.shape == (hidden,) and x.stride(-1) == 1
+    x2 = x.reshape(-1, hidden)  # a view when possible; rows may be strided
+    rows = x2.shape[0]
+    out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+        r2 = residual.reshape(-1, hidden)
+        assert r2.stride(-1) == 1
+        res_out = torch.empty_like(out)
+    else:
+        r2, res_out = x2, out  # unused
+    if rows > 0:
+        block = triton.next_power_of_2(hidden)
+        num_warps = min(max(block // 256, 1), 16)
+        _rms_norm_kernel[(rows,)](
+            x2, r2, weight, out, res_out,
+            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
+            hidden, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+        )
+    out = out.view(x.shape)
+    return out if residual is None else (out, res_out.view(x.shape))
+
+
+def rms_norm_triton(x, weight, eps):
+    return _launch(x, None, weight, eps)
+
+
+def fused_add_rms_norm_triton(x, residual, weight, eps):
+    return _launch(x, residual, weight, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., hidden] -> rmsnorm(x) * weight, same shape and dtype as x."""
+    return rms_norm_triton(x, weight, eps) if use_triton(x) else reference.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    """-> (normed, new_residual) with new_residual = x + residual, normed = rms_norm(new_residual)."""
+    if use_triton(x):
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    return reference.fused_add_rms_norm(x, residual, weight, eps)
