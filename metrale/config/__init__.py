@@ -1,0 +1,1 @@
+"""Configuration: EngineArgs and the frozen configs derived from it."""

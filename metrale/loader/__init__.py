@@ -1,0 +1,1 @@
+"""Checkpoint loading: safetensors streaming, name mapping, dummy weights."""

@@ -1,0 +1,3 @@
+from metrale.layers.attention.layer import Attention
+
+__all__ = ["Attention"]

@@ -1,0 +1,89 @@
+"""EngineArgs: every engine option, defined once.
+
+`LLM(**kwargs)` and the `met` command line are both built from these fields: the CLI flags are
+generated from the dataclass (name, type, default, help, choices), so an option cannot drift
+between the two. Frozen configs are derived from it once, at startup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+
+def option(default, help: str, choices: tuple | None = None, flag: str | None = None):
+    metadata = {"help": help, "choices": choices, "flag": flag}
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = option(None, "Hugging Face model directory (config.json, *.safetensors, tokenizer)")
+    tokenizer: str | None = option(None, "Tokenizer directory, if not the model's")
+    skip_tokenizer_init: bool = option(False, "Do not load a tokenizer; prompts must be token ids")
+    dtype: str = option("auto", "Weight and activation dtype; auto: the checkpoint's on CUDA, float32 on CPU",
+                        choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = option("auto", "Where the model runs; auto: CUDA when available", choices=("auto", "cpu", "cuda"))
+    seed: int = option(0, "Seed of the engine; requests without a seed draw theirs from it")
+    load_format: str = option("auto", "auto/safetensors: read the checkpoint; dummy: random weights from the "
+                                      "config alone (benchmarks)", choices=("auto", "safetensors", "dummy"))
+    max_model_len: int | None = option(None, "Context length (prompt + output); default: the model's")
+    max_num_seqs: int = option(256, "Most requests running at once")
+    max_num_batched_tokens: int = option(8192, "Token budget of one step (prefill chunks + decodes)")
+    block_size: int = option(16, "Tokens per KV cache block")
+    num_kv_blocks: int | None = option(None, "Fix the KV pool's size in blocks; default: from the memory budget")
+    kv_cache_memory: int | None = option(None, "Bytes for the KV pool; default: from --gpu-memory-utilization "
+                                               "on CUDA, 2 GiB on CPU")
+    gpu_memory_utilization: float = option(0.9, "Share of the GPU's memory the server may use")
+    attention_backend: str = option("auto", "Attention implementation; auto: triton on CUDA, torch on CPU",
+                                    choices=("auto", "torch", "triton"))
+    enforce_eager: bool = option(False, "Never capture CUDA graphs")
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+
+    # -- the command line, generated from the fields -------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        group = parser.add_argument_group("engine options")
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            base = _base_type(f.type)
+            kwargs = {"dest": f.name, "default": f.default, "help": f.metadata.get("help")}
+            if base is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = base
+                if f.metadata.get("choices"):
+                    kwargs["choices"] = f.metadata["choices"]
+            group.add_argument(flag, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(namespace).items() if k in names})
+
+
+def _base_type(annotation) -> type:
+    """`int | None` -> int, `str` -> str (annotations are strings under `from __future__`)."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, {"typing": typing}, {})  # our own literal annotations only
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation

@@ -1,0 +1,66 @@
+"""A request as the scheduler sees it: plain ints and lists, no tensors."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from metrale.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, to be recomputed
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens, the context length or the KV pool's size
+    FINISHED_ABORTED = "abort"  # the client went away or the engine cancelled it
+    FINISHED_ERROR = "error"  # the request can never be served (message in `error`)
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+class Request:
+    """Invariant: 0 <= num_computed_tokens <= num_tokens; tokens past num_computed_tokens have no KV yet."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 seed: int, arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        # Every request samples from its own counter-based stream (seed, output index), so its
+        # tokens do not depend on the batch it runs in nor on being preempted and recomputed.
+        self.seed = seed
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

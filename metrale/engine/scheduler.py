@@ -1,0 +1,212 @@
+"""The scheduler: fills a token budget each step with decodes and prefill chunks.
+
+There is no prefill or decode phase: every request has `num_computed_tokens` chasing
+`num_tokens`, and a step gives each running request (oldest first), then waiting ones (FCFS),
+as many tokens as the budget allows. Chunked prefill, decode and recompute after preemption
+are the same path. When the KV pool runs dry, the newest running request is preempted: its
+blocks go back to the pool and it is recomputed later from the front of the waiting queue.
+No torch here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from metrale.engine.kv_cache_manager import KVCacheManager
+from metrale.engine.request import Request, RequestStatus
+from metrale.engine.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                             SchedulerOutput)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+
+
+class Scheduler:
+    def __init__(self, *, num_kv_blocks: int, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int):
+        self.kv = KVCacheManager(num_kv_blocks, block_size)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is the newest
+        self._dropped_since_last_step: list[str] = []  # finished or preempted: runner forgets them
+        self._runner_knows: set[str] = set()
+        self.num_preemptions_total = 0
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens > self.kv.capacity_tokens:
+            raise ValueError(
+                f"the prompt has {request.num_tokens} tokens but the KV cache holds only "
+                f"{self.kv.capacity_tokens} ({self.kv.num_blocks} blocks of {self.kv.block_size}); "
+                f"raise --num-kv-blocks or --kv-cache-memory, or shorten the prompt")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> Request | None:
+        """End a request from outside (abort, stop string). Unknown or finished ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.stop_reason = stop_reason
+        self._finish(request, status)
+        return request
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request.request_id)
+        self.requests.pop(request.request_id, None)
+        if request.request_id in self._runner_knows:
+            self._runner_knows.discard(request.request_id)
+            self._dropped_since_last_step.append(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+        if request.request_id in self._runner_knows:
+            self._runner_knows.discard(request.request_id)
+            self._dropped_since_last_step.append(request.request_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions_total)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> tuple[SchedulerOutput, list[Request]]:
+        """Plan one step. Also returns requests that ended while planning (they can never fit)."""
+        out = SchedulerOutput(finished_request_ids=self._dropped_since_last_step)
+        self._dropped_since_last_step = []
+        ended: list[Request] = []
+        budget = self.max_num_batched_tokens
+        preempted_this_step = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks, preempted_others = self._allocate_or_preempt(request, num_new)
+            preempted_this_step |= preempted_others
+            if new_blocks is None:
+                # Nothing left to preempt but the request itself.
+                self.running.remove(request)
+                if not self.running and not out.num_scheduled_tokens:
+                    # Alone and still short: the pool can never hold it. End it, do not spin.
+                    request.stop_reason = "kv_cache_full"
+                    self._finish(request, RequestStatus.FINISHED_LENGTH)
+                    ended.append(request)
+                else:
+                    self._preempt(request)
+                preempted_this_step = True
+                break
+            out.cached_requests.append(
+                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+            index += 1
+
+        # Admit waiting requests only when the pool is not under pressure: a preemption this
+        # step means the running set already needs more than the pool has.
+        while (not preempted_this_step and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
+            if new_blocks is None:
+                if not self.running:
+                    # An empty pool cannot hold this chunk: it never will.
+                    self.waiting.popleft()
+                    request.error = (f"the request needs {request.num_tokens} tokens of KV cache but the "
+                                     f"pool holds {self.kv.capacity_tokens}")
+                    self._finish(request, RequestStatus.FINISHED_LENGTH if request.output_token_ids
+                                 else RequestStatus.FINISHED_ERROR)
+                    ended.append(request)
+                    continue
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._runner_knows.add(request.request_id)
+            out.new_requests.append(NewRequestData(
+                request.request_id, request.all_token_ids, request.num_prompt_tokens,
+                request.sampling_params, request.seed,
+                list(self.kv.get_block_table(request.request_id)), request.num_computed_tokens))
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+        return out, ended
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[int] | None, bool]:
+        """Blocks for `num_new` more tokens, preempting the newest other requests while short.
+
+        Returns (new block ids or None when only `request` itself is left to preempt, whether
+        others were preempted).
+        """
+        preempted_others = False
+        while True:
+            new_blocks = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
+            if new_blocks is not None:
+                return new_blocks, preempted_others
+            victim = self.running[-1]
+            if victim is request:
+                return None, preempted_others
+            self.running.pop()
+            self._preempt(victim)
+            preempted_others = True
+
+    def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[tuple[Request, list[int]]]:
+        """Apply a step's result. Returns (request, new token ids) for each request that sampled."""
+        updates: list[tuple[Request, list[int]]] = []
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_tokens
+            token = result.sampled_token_ids.get(request_id)
+            if token is None:
+                continue  # a prefill chunk that does not reach the end of the prompt
+            request.output_token_ids.append(token)
+            updates.append((request, [token]))
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+        return updates
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_out = request.num_output_tokens
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in params.eos_token_ids:
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+

@@ -1,0 +1,79 @@
+"""The typed plan the scheduler hands the model runner each step, and the runner's answer.
+
+Plain dataclasses of ints, lists and dicts: they cross process boundaries as msgpack
+(`to_wire`/`from_wire`), never pickle. New requests are sent whole once; running ones as a diff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from metrale.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption (recomputed from 0)."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + outputs so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: its new blocks and where its computation stands."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # Tokens to compute this step per request, in batch order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Requests finished or preempted since the last step: the runner drops their state.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+    def to_wire(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> "SchedulerOutput":
+        new = [NewRequestData(**{**r, "sampling_params": SamplingParams.from_dict(r["sampling_params"])})
+               for r in wire["new_requests"]]
+        cached = [CachedRequestData(**r) for r in wire["cached_requests"]]
+        return cls(new, cached, dict(wire["num_scheduled_tokens"]), list(wire["finished_request_ids"]))
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one sampled token: its own and the top-k alternatives (ids with logprobs, best first)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank of the sampled token among all tokens
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)

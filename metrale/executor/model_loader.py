@@ -1,0 +1,50 @@
+"""Build a model on its device and fill its weights (checkpoint or dummy)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from tqdm.auto import tqdm
+
+from metrale.config.model_config import ModelConfig
+from metrale.loader.safetensors_loader import iterate_tensors
+from metrale.loader.weights import init_dummy_weights, load_weights
+from metrale.models.registry import get_model_class
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def count_tensors(model_dir: str) -> int:
+    from safetensors import safe_open
+
+    from metrale.loader.safetensors_loader import checkpoint_files
+
+    total = 0
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt") as st:
+            total += len(list(st.keys()))
+    return total
+
+
+def build_model(config: ModelConfig, device: torch.device, load_format: str = "auto", seed: int = 0,
+                show_progress: bool = False) -> torch.nn.Module:
+    model_class = get_model_class(config.architecture)
+    # Parameters are created where they live, in their dtype: no float32 copy on the host first.
+    with torch.device(device), _default_dtype(config.dtype):
+        model = model_class(config)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        total = count_tensors(config.model_dir) if show_progress else None
+        with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
+            load_weights(model, iterate_tensors(config.model_dir), progress=bar)
+    return model.eval()

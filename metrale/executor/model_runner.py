@@ -1,0 +1,150 @@
+"""The model runner: the only place that builds tensors.
+
+It keeps each running request's tokens and block table (sent whole once, then as diffs), turns
+a SchedulerOutput into one flattened batch (input ids, positions, slot mapping, block tables,
+sequence lengths), runs the model under a ForwardContext, and samples where the logits are.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from metrale.config.model_config import ModelConfig
+from metrale.engine.sampling_params import SamplingParams
+from metrale.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from metrale.executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from metrale.executor.sampler import SamplingRow, sample
+from metrale.layers.attention.backend import get_backend
+from metrale.layers.attention.layer import Attention
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerRequest:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
+    sampled_request_ids: list[str]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, device: torch.device,
+                 block_size: int, attention_backend: str = "auto"):
+        self.model = model
+        self.model_config = model_config
+        self.device = device
+        self.block_size = block_size
+        self.backend = get_backend(attention_backend, device)
+        self.requests: dict[str, RunnerRequest] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pin = device.type == "cuda"
+
+    # -- the KV cache --------------------------------------------------------------------------
+
+    def attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def kv_bytes_per_block(self) -> int:
+        element = torch.finfo(self.model_config.dtype).bits // 8
+        return sum(2 * self.block_size * layer.num_kv_heads * layer.head_dim * element
+                   for layer in self.attention_layers())
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer, bound to it."""
+        self.kv_caches = []
+        for layer in self.attention_layers():
+            cache = torch.empty(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
+                                dtype=self.model_config.dtype, device=self.device)
+            layer.kv_cache = (cache[0], cache[1])
+            self.kv_caches.append(layer.kv_cache)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _apply_plan(self, plan: SchedulerOutput) -> None:
+        for request_id in plan.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in plan.new_requests:
+            self.requests[new.request_id] = RunnerRequest(
+                list(new.token_ids), new.num_prompt_tokens, new.sampling_params, new.seed,
+                list(new.block_ids), new.num_computed_tokens)
+        for cached in plan.cached_requests:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _tensor(self, values, dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype, pin_memory=self._pin)
+        return t.to(self.device, non_blocking=True)
+
+    def prepare_inputs(self, plan: SchedulerOutput) -> BatchInputs:
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []
+        query_lens, seq_lens, tables, logits_indices, sampled = [], [], [], [], []
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            state = self.requests[request_id]
+            start = state.num_computed_tokens
+            end = start + num_tokens
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = state.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(num_tokens)
+            seq_lens.append(end)
+            tables.append(blocks)
+            if end == len(state.token_ids):
+                logits_indices.append(len(input_ids) - 1)
+                sampled.append(request_id)
+        width = max(len(t) for t in tables)
+        padded_tables = [t + [0] * (width - len(t)) for t in tables]
+        query_start = [0]
+        for q in query_lens:
+            query_start.append(query_start[-1] + q)
+        metadata = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._tensor(padded_tables, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            query_start_loc=self._tensor(query_start, torch.int32),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            seq_lens_cpu=seq_lens, query_lens_cpu=query_lens)
+        return BatchInputs(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),
+                           metadata, self._tensor(logits_indices, torch.int64), sampled)
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_plan(plan)
+        if plan.is_empty:
+            return ModelRunnerOutput()
+        batch = self.prepare_inputs(plan)
+        with set_forward_context(ForwardContext(batch.metadata, self.backend)):
+            hidden = self.model(batch.input_ids, batch.positions)
+        if not batch.sampled_request_ids:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        rows = []
+        for request_id in batch.sampled_request_ids:
+            state = self.requests[request_id]
+            rows.append(SamplingRow(state.sampling_params, state.seed, state.token_ids[:state.num_prompt_tokens],
+                                    state.token_ids[state.num_prompt_tokens:]))
+        tokens, logprobs = sample(logits, rows)
+        out = ModelRunnerOutput()
+        for request_id, token, lp in zip(batch.sampled_request_ids, tokens, logprobs):
+            self.requests[request_id].token_ids.append(token)
+            out.sampled_token_ids[request_id] = token
+            if lp is not None:
+                out.logprobs[request_id] = lp
+        return out

@@ -1,0 +1,125 @@
+"""The sampler: from the last position's logits to one token per request, where the logits are.
+
+Order, as vLLM: logprobs of the raw model output; min_tokens masking of stop ids; repetition,
+frequency and presence penalties; then greedy argmax, or temperature, top-k, top-p and min-p
+and a draw. Every draw comes from a stream keyed by (request seed, output index), so a request's
+tokens do not depend on its batch or on being preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from metrale.engine.sampling_params import SamplingParams
+from metrale.engine.scheduler_output import TokenLogprobs
+
+_MASK64 = (1 << 64) - 1
+
+
+def stream_seed(seed: int, index: int) -> int:
+    """splitmix64 of (seed, index): independent, reproducible per-draw seeds."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.min_tokens and len(row.output_token_ids) < p.min_tokens:
+            banned = list(set(p.stop_token_ids) | (set() if p.ignore_eos else set(p.eos_token_ids)))
+            if banned:
+                logits[i, banned] = float("-inf")
+        if not p.has_penalties:
+            continue
+        vocab = logits.shape[1]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted({t for t in row.prompt_token_ids + row.output_token_ids if t < vocab}),
+                                dtype=torch.long, device=logits.device)
+            values = logits[i, seen]
+            logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if row.output_token_ids and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(torch.tensor(row.output_token_ids, device=logits.device), minlength=vocab)[:vocab]
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p as -inf masks, row by row in one pass."""
+    device = logits.device
+    temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+    logits = logits / temperature[:, None]
+    vocab = logits.shape[1]
+    top_k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows], device=device)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+    min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+    if (top_k < vocab).any() or (top_p < 1.0).any():
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        drop = ranks >= top_k[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it does.
+        drop |= (cumulative - sorted_logits.softmax(dim=-1)) >= top_p[:, None]
+        drop[:, 0] = False
+        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if (min_p > 0).any():
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return logits
+
+
+def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Exponential race (equivalent to sampling from softmax(logits)) with per-request streams."""
+    probs = logits.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    for i, row in enumerate(rows):
+        generator = torch.Generator(device=logits.device)
+        generator.manual_seed(stream_seed(row.seed, len(row.output_token_ids)))
+        noise[i].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> list[tuple]:
+    chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+    ranks = (raw_logprobs > chosen[:, None]).sum(dim=-1) + 1
+    top = raw_logprobs.topk(k, dim=-1) if k > 0 else None
+    chosen, ranks = chosen.tolist(), ranks.tolist()
+    top_values = top.values.tolist() if top is not None else [[] for _ in chosen]
+    top_ids = top.indices.tolist() if top is not None else [[] for _ in chosen]
+    return list(zip(chosen, ranks, top_ids, top_values))
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: [len(rows), vocab] for the last position of each sampled request."""
+    logits = logits.float()
+    want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
+    if any(r.params.has_penalties or r.params.min_tokens for r in rows):
+        logits = logits.clone()
+        _apply_penalties(logits, rows)
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        subset = [rows[i] for i in random_rows]
+        index = torch.tensor(random_rows, device=logits.device)
+        tokens[index] = _draw(_filter(logits[index], subset), subset)
+    token_list = tokens.tolist()
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    if want_logprobs:
+        k = max(rows[i].params.logprobs for i in want_logprobs)
+        chosen = torch.tensor([token_list[i] for i in want_logprobs], device=logits.device)
+        for i, (lp, rank, ids, values) in zip(want_logprobs, _logprobs(raw_logprobs, chosen, k)):
+            n = rows[i].params.logprobs
+            logprobs[i] = TokenLogprobs(token_list[i], lp, rank, ids[:n], values[:n])
+    return token_list, logprobs

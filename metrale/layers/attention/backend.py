@@ -1,0 +1,58 @@
+"""The attention backend interface and its registry.
+
+A backend writes the new tokens' K and V into the paged cache and computes attention of the
+flattened query rows over it (layout in executor/forward_context.py). The PyTorch backend is the
+reference and runs anywhere; faster ones are tested against it. CUDA-graph capture needs nothing
+extra from a backend as long as `forward` reads only tensors from the metadata (no host values
+that change between replays); a backend that cannot do that says so with `supports_cuda_graphs`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from metrale.executor.forward_context import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+    supports_cuda_graphs: bool = False
+
+    @abstractmethod
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+
+
+_REGISTRY: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto`: Triton on CUDA when it imports, else the PyTorch reference."""
+    from metrale.layers.attention import torch_backend  # noqa: F401  (registers)
+
+    if name == "auto":
+        name = "torch"
+        if device.type == "cuda":
+            try:
+                from metrale.layers.attention import triton_backend  # noqa: F401
+                name = "triton"
+            except ImportError:
+                pass
+    elif name == "triton":
+        from metrale.layers.attention import triton_backend  # noqa: F401
+    if name not in _REGISTRY:
+        raise ValueError(f"attention backend {name!r} is not available; available: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]()

@@ -1,0 +1,134 @@
+"""Linear layers that own their tensor-parallel sharding.
+
+Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this rank's
+slice of a checkpoint tensor into it. Column-parallel layers split the output dimension, row-
+parallel ones the input dimension and all-reduce their output; models never branch on TP size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metrale.distributed.parallel_state import get_tp_group
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
+    return numerator // denominator
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool):
+        super().__init__()
+        self.tp = get_tp_group()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _copy_checked(param, loaded, type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    pass
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x W^T with W's rows (the output features) split over the TP ranks; no communication."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        tp = get_tp_group()
+        super().__init__(input_size, divide(output_size, tp.size, "output size"), bias)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        rows = param.shape[0]
+        _copy_checked(param, loaded.narrow(0, self.tp.rank * rows, rows), type(self).__name__)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input stacked in one matmul (gate and up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param, loaded, shard_id: int = 0):
+        tp = self.tp
+        local = [size // tp.size for size in self.output_sizes]
+        offset = sum(local[:shard_id])
+        part = loaded.narrow(0, tp.rank * local[shard_id], local[shard_id])
+        _copy_checked(param.data.narrow(0, offset, local[shard_id]), part, f"{type(self).__name__}[{shard_id}]")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V in one matmul. Heads split over the TP ranks; when there are fewer KV heads than
+    ranks, each KV head is replicated on tp_size // num_kv_heads ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = get_tp_group()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp.size, "number of attention heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(num_kv_heads, tp.size, "number of KV heads")
+        else:
+            divide(tp.size, num_kv_heads, "TP size over KV heads")
+            self.num_kv_heads = 1
+        self.total_num_kv_heads = num_kv_heads
+        output = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        LinearBase.__init__(self, hidden_size, output, bias)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param, loaded, shard_id: str = "q"):
+        tp = self.tp
+        if shard_id == "q":
+            offset, size, index = 0, self.q_size, tp.rank
+        else:
+            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
+            size = self.kv_size
+            replicas = max(1, tp.size // self.total_num_kv_heads)
+            index = tp.rank // replicas
+        part = loaded.narrow(0, index * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), part, f"{type(self).__name__}[{shard_id}]")
+
+
+class RowParallelLinear(LinearBase):
+    """y = x W^T with W's columns (the input features) split; partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        tp = get_tp_group()
+        super().__init__(divide(input_size, tp.size, "input size"), output_size, bias)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 1:  # the bias is added once, after the reduction
+            _copy_checked(param, loaded, type(self).__name__)
+            return
+        cols = param.shape[1]
+        _copy_checked(param, loaded.narrow(1, self.tp.rank * cols, cols), type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

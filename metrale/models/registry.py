@@ -1,0 +1,21 @@
+"""Model classes by the `architectures` name in config.json."""
+
+from __future__ import annotations
+
+import importlib
+
+# architecture -> (module, class). Imported lazily so an unused family costs nothing.
+_MODELS = {
+    "LlamaForCausalLM": ("metrale.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("metrale.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("metrale.models.qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> dict[str, tuple[str, str]]:
+    return dict(_MODELS)
+
+
+def get_model_class(architecture: str):
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,107 @@
+"""Tiny random checkpoints, written by `transformers` itself, for end-to-end tests.
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained here on a few sentences, the
+weights are transformers' own random init (float32, a larger init range than usual so greedy
+choices are clear-cut rather than near-ties), saved with save_pretrained as safetensors.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "A paged KV cache stores keys and values in fixed-size blocks.",
+    "Continuous batching lets many requests share each forward pass.",
+    "def add(a, b):\n    return a + b\n",
+    "Ünïcödé text, emoji 🙂 and CJK 漢字 must survive streaming.",
+] * 20
+
+VOCAB_SIZE = 384
+
+
+def make_tokenizer(path: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3_tied": ("LlamaConfig", "LlamaForCausalLM", {
+        "tie_word_embeddings": True,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64}}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+}
+
+
+def make_checkpoint(path: str, family: str = "llama", seed: int = 0, **overrides) -> str:
+    import transformers
+
+    config_name, model_name, extra = FAMILIES[family]
+    os.makedirs(path, exist_ok=True)
+    tokenizer = make_tokenizer(path)
+    fields = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.2, rms_norm_eps=1e-6, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, bos_token_id=None, tie_word_embeddings=False)
+    fields.update(extra)
+    fields.update(overrides)
+    rope_scaling = fields.pop("rope_scaling", None)
+    config = getattr(transformers, config_name)(**fields)
+    if rope_scaling is not None:
+        params = dict(getattr(config, "rope_parameters", None) or {"rope_theta": 10000.0})
+        params.update(rope_scaling)
+        if hasattr(config, "rope_parameters"):
+            config.rope_parameters = params
+        else:
+            config.rope_scaling = params
+    config.architectures = [model_name]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).float().eval()
+    model.save_pretrained(path, safe_serialization=True)
+    model.generation_config.save_pretrained(path)
+    return path
+
+
+def load_reference(path: str):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation with its own KV cache, never stopping at EOS."""
+    # transformers >= 5.2x names the cache argument `cache`; older releases `past_key_values`.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    tokens = []
+    for _ in range(max_new_tokens):
+        token = int(out.logits[0, -1].argmax())
+        tokens.append(token)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        out = model(torch.tensor([[token]]), use_cache=True, **{cache_arg: cache})
+    return tokens
