@@ -1,0 +1,329 @@
+"""Attention over the paged KV cache: extend/prefill (causal, ragged) and split-KV decode.
+
+Layout (see docs/kernels.md):
+  k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+  block_tables      int32 [num_seqs, max_blocks]; position n of sequence i lives in
+                    block block_tables[i, n // block_size] at offset n % block_size
+  seq_lens          int32 [num_seqs]: context length INCLUDING the new tokens
+  cu_seqlens_q      int32 [num_seqs + 1]: query rows of sequence i are cu[i]..cu[i+1]
+Query token j of sequence i is at position seq_lens[i] - q_len_i + j and sees
+positions 0..that position. Head h reads kv head h // (num_heads // num_kv_heads).
+
+Both kernels tile the rows of one KV-head group together (GQA): every K/V tile
+is loaded once and used by all query heads that share it. Softmax is online
+(flash-attention style) in fp32 with exp2; P is cast to the KV dtype for P @ V.
+Block-table entries past a sequence's length are never read.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from metrale.kernels import interpret_mode, reference, tl, triton, use_triton
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr,
+    start, kv_end, q_pos, kvh, block_size, d, d_mask,
+    stride_cb, stride_co, stride_ch, scale_log2e,
+    MASK_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys start..start+BLOCK_N-1 (those >= kv_end are masked).
+
+    Invariant: after the first call every row has seen at least one unmasked key,
+    so m_i is finite and no NaN can appear (exp2(-inf - finite) = 0).
+    """
+    n = start + tl.arange(0, BLOCK_N)
+    n_valid = n < kv_end
+    phys = tl.load(bt_row_ptr + n // block_size, mask=n_valid, other=0).to(tl.int64)
+    kv_off = phys * stride_cb + (n % block_size) * stride_co + kvh * stride_ch
+    kv_mask = n_valid[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [rows, BLOCK_N], log2 units
+    if MASK_CAUSAL:
+        qk = tl.where((n[None, :] <= q_pos[:, None]) & n_valid[None, :], qk, float("-inf"))
+    else:
+        qk = tl.where(n_valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+# --------------------------------------------------------------------------- extend / prefill
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, cu_q_ptr, seq_lens_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_co, stride_ch, stride_bt,
+    scale_log2e, block_size,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # grid: (cdiv(max_q_len * GROUP, BLOCK_M), num_seqs, num_kv_heads).
+    # Tile row r is flat index f = pid_m * BLOCK_M + r over (query token, head in group):
+    # token = f // GROUP, head = kvh * GROUP + f % GROUP.
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    f0 = pid_m * BLOCK_M
+    if f0 >= q_len * GROUP:  # this sequence has fewer query rows
+        return
+
+    f = f0 + tl.arange(0, BLOCK_M)
+    tok = f // GROUP
+    head = kvh * GROUP + f % GROUP
+    row_valid = tok < q_len
+    q_pos = seq_len - q_len + tok  # absolute position of each row's query token
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+
+    # Keys <= the tile's first query position are visible to every row: no causal mask.
+    first_pos = seq_len - q_len + f0 // GROUP
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    last_tok = tl.minimum((f0 + BLOCK_M - 1) // GROUP, q_len - 1)
+    kv_end = seq_len - q_len + last_tok + 1  # one past the last key any row may see (<= seq_len)
+    for start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kvh,
+            block_size, d, d_mask, stride_cb, stride_co, stride_ch, scale_log2e,
+            MASK_CAUSAL=False, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
+    for start in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kvh,
+            block_size, d, d_mask, stride_cb, stride_co, stride_ch, scale_log2e,
+            MASK_CAUSAL=True, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
+
+    out = acc / l_i[:, None]
+    o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_valid[:, None] & d_mask[None, :])
+
+
+def _precision(dtype):
+    # fp32 inputs: exact fp32 dots (no TF32) so they match the reference; others: default
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _extend_config(head_dim, rows_per_seq):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); Hopper-oriented, untuned."""
+    block_m = min(64, max(16, triton.next_power_of_2(rows_per_seq)))
+    if head_dim <= 128:
+        return block_m, 64, 4, 3
+    return block_m, 32, 4, 2
+
+
+def _check_paged(q, k_cache, v_cache, block_tables):
+    assert q.dim() == 3 and q.stride(-1) == 1, "q: [tokens, heads, head_dim], head_dim contiguous"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    assert k_cache.dtype == v_cache.dtype == q.dtype
+    assert q.shape[1] % k_cache.shape[2] == 0 and q.shape[2] == k_cache.shape[3]
+    assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
+
+
+def extend_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len, scale):
+    _check_paged(q, k_cache, v_cache, block_tables)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0 or max_q_len == 0:
+        return out
+    block_m, block_n, num_warps, num_stages = _extend_config(head_dim, max_q_len * group)
+    grid = (triton.cdiv(max_q_len * group, block_m), num_seqs, num_kv_heads)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        scale * LOG2E, k_cache.shape[1],
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def extend_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len: int, scale: float):
+    """Causal attention for a flattened ragged batch (prefill chunks and decodes mixed).
+
+    q [num_tokens, num_heads, head_dim] -> out, same shape and dtype. `max_q_len`
+    (a host int, >= every q_len) sizes the grid, so no device->host sync happens.
+    """
+    if use_triton(q):
+        return extend_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len, scale)
+    return reference.extend_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len, scale)
+
+
+# --------------------------------------------------------------------------- split-KV decode
+
+
+@triton.jit
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    # Keys per split for this sequence: a multiple of BLOCK_N, so short sequences use
+    # fewer (non-empty) splits. Stage 1 and stage 2 must agree on it.
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
+    stride_qs, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
+    stride_ps, stride_ph, stride_os, stride_oh,
+    scale_log2e, block_size, num_splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+):
+    # grid: (num_seqs, num_kv_heads, num_splits). Rows = the GROUP query heads of kv head kvh.
+    # Writes, per head, the normalised partial output and its log2-sum-exp of this split
+    # (part_o [seqs, heads, splits, D], part_lse [seqs, heads, splits]); empty splits write
+    # nothing (stage 2 recomputes which splits exist). DIRECT (one split): write `out`.
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if start >= end:
+        return
+
+    h = tl.arange(0, BLOCK_H)
+    h_valid = h < GROUP
+    head = kvh * GROUP + h
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    io_mask = h_valid[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + head[:, None] * stride_qh + d[None, :],
+                mask=io_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    for s in range(start, end, BLOCK_N):  # decode query sees every key: only mask n >= end
+        acc, m_i, l_i = _attend_tile(  # (q_pos argument `h` is unused without the causal mask)
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, s, end, h, kvh,
+            block_size, d, d_mask, stride_cb, stride_co, stride_ch, scale_log2e,
+            MASK_CAUSAL=False, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
+
+    o = acc / l_i[:, None]
+    if DIRECT:
+        o_off = seq.to(tl.int64) * stride_os + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        p_row = seq.to(tl.int64) * stride_ps + head * stride_ph + split  # [BLOCK_H] (split stride 1)
+        tl.store(part_o_ptr + p_row[:, None] * HEAD_DIM + d[None, :], o, mask=io_mask)
+        tl.store(part_lse_ptr + p_row, m_i + tl.log2(l_i), mask=h_valid)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr,
+    stride_ps, stride_ph, stride_os, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # grid: (num_seqs, num_heads). out = sum_s w_s * o_s / sum_s w_s, w_s = 2^(lse_s - max lse).
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    n_used = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N))  # non-empty splits, >= 1
+    s = tl.arange(0, BLOCK_S)
+    s_valid = s < n_used
+    d = tl.arange(0, BLOCK_D)
+    p_row = seq.to(tl.int64) * stride_ps + head * stride_ph + s
+    lse = tl.load(part_lse_ptr + p_row, mask=s_valid, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # 0 for unused splits
+    o = tl.load(part_o_ptr + p_row[:, None] * HEAD_DIM + d[None, :],
+                mask=s_valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index) -> int:
+    if interpret_mode() or not torch.cuda.is_available():
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_kv_splits(num_seqs, num_kv_heads, max_context, device) -> int:
+    """Enough (seq, kv head, split) programs for ~2 waves over the SMs, but no split
+    shorter than 256 keys at max_context. Host-side only: never reads seq_lens."""
+    sms = _num_sms(device.index if device.type == "cuda" else None)
+    want = triton.cdiv(2 * sms, max(1, num_seqs * num_kv_heads))
+    return max(1, min(want, triton.cdiv(max_context, 256), 64))
+
+
+DECODE_BLOCK_N = 64
+
+
+def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_kv_splits=None):
+    _check_paged(q, k_cache, v_cache, block_tables)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    if num_kv_splits is None:
+        max_context = block_tables.shape[1] * k_cache.shape[1]
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_context, q.device)
+    block_n = DECODE_BLOCK_N if head_dim <= 128 else DECODE_BLOCK_N // 2
+    block_d = triton.next_power_of_2(head_dim)
+    direct = num_kv_splits == 1
+    if direct:
+        part_o = part_lse = out  # unused
+    else:
+        part_o = torch.empty((num_seqs, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_seqs, num_heads, num_kv_splits), dtype=torch.float32, device=q.device)
+    _decode_stage1_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        num_heads * num_kv_splits, num_kv_splits, out.stride(0), out.stride(1),
+        scale * LOG2E, k_cache.shape[1], num_kv_splits,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        PRECISION=_precision(q.dtype), DIRECT=direct, num_warps=4, num_stages=3,
+    )
+    if not direct:
+        _decode_stage2_kernel[(num_seqs, num_heads)](
+            part_o, part_lse, out, seq_lens,
+            num_heads * num_kv_splits, num_kv_splits, out.stride(0), out.stride(1), num_kv_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_N=block_n,
+            num_warps=4,
+        )
+    return out
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, num_kv_splits: int | None = None):
+    """One query token per sequence, at its last position: q [num_seqs, num_heads, head_dim] -> out.
+
+    Split-KV flash decoding: each sequence's keys are cut into up to num_kv_splits
+    chunks processed in parallel, then merged by log-sum-exp. None: chosen from the
+    SM count, batch size and the block table's capacity (no device->host sync).
+    """
+    if use_triton(q):
+        return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_kv_splits)
+    return reference.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_kv_splits)
