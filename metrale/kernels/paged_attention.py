@@ -27,11 +27,21 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # fp32-accumulating a @ b. UPCAST is only set under the Triton CPU interpreter for
+    # bf16, whose tl.dot multiplies the raw uint16 storage (triton 3.9): the same products
+    # computed in fp32 instead (bf16 x bf16 products are exact in fp32).
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr,
     start, kv_end, q_pos, kvh, block_size, d, d_mask,
     stride_cb, stride_co, stride_ch, scale_log2e,
-    MASK_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    MASK_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One online-softmax step over keys start..start+BLOCK_N-1 (those >= kv_end are masked).
 
@@ -44,7 +54,7 @@ def _attend_tile(
     kv_off = phys * stride_cb + (n % block_size) * stride_co + kvh * stride_ch
     kv_mask = n_valid[:, None] & d_mask[None, :]
     k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [rows, BLOCK_N], log2 units
+    qk = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale_log2e  # [rows, BLOCK_N], log2 units
     if MASK_CAUSAL:
         qk = tl.where((n[None, :] <= q_pos[:, None]) & n_valid[None, :], qk, float("-inf"))
     else:
@@ -54,7 +64,7 @@ def _attend_tile(
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
     return acc, m_new, l_i
 
 
@@ -68,7 +78,7 @@ def _extend_kernel(
     stride_cb, stride_co, stride_ch, stride_bt,
     scale_log2e, block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # grid: (cdiv(max_q_len * GROUP, BLOCK_M), num_seqs, num_kv_heads).
     # Tile row r is flat index f = pid_m * BLOCK_M + r over (query token, head in group):
@@ -107,12 +117,12 @@ def _extend_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kvh,
             block_size, d, d_mask, stride_cb, stride_co, stride_ch, scale_log2e,
-            MASK_CAUSAL=False, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
+            MASK_CAUSAL=False, BLOCK_N=BLOCK_N, PRECISION=PRECISION, UPCAST=UPCAST)
     for start in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kvh,
             block_size, d, d_mask, stride_cb, stride_co, stride_ch, scale_log2e,
-            MASK_CAUSAL=True, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
+            MASK_CAUSAL=True, BLOCK_N=BLOCK_N, PRECISION=PRECISION, UPCAST=UPCAST)
 
     out = acc / l_i[:, None]
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
@@ -120,9 +130,11 @@ def _extend_kernel(
              mask=row_valid[:, None] & d_mask[None, :])
 
 
-def _precision(dtype):
-    # fp32 inputs: exact fp32 dots (no TF32) so they match the reference; others: default
-    return "ieee" if dtype == torch.float32 else None
+def _dot_flags(dtype):
+    """PRECISION: fp32 inputs get exact fp32 dots (no TF32) so they match the reference.
+    UPCAST: work around the interpreter's broken bf16 tl.dot (see _dot)."""
+    return dict(PRECISION="ieee" if dtype == torch.float32 else None,
+                UPCAST=interpret_mode() and dtype == torch.bfloat16)
 
 
 def _extend_config(head_dim, rows_per_seq):
@@ -158,7 +170,7 @@ def extend_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * LOG2E, k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, **_dot_flags(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -192,7 +204,8 @@ def _decode_stage1_kernel(
     stride_ps, stride_ph, stride_os, stride_oh,
     scale_log2e, block_size, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     # grid: (num_seqs, num_kv_heads, num_splits). Rows = the GROUP query heads of kv head kvh.
     # Writes, per head, the normalised partial output and its log2-sum-exp of this split
@@ -225,7 +238,7 @@ def _decode_stage1_kernel(
         acc, m_i, l_i = _attend_tile(  # (q_pos argument `h` is unused without the causal mask)
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, s, end, h, kvh,
             block_size, d, d_mask, stride_cb, stride_co, stride_ch, scale_log2e,
-            MASK_CAUSAL=False, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
+            MASK_CAUSAL=False, BLOCK_N=BLOCK_N, PRECISION=PRECISION, UPCAST=UPCAST)
 
     o = acc / l_i[:, None]
     if DIRECT:
@@ -305,7 +318,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, 
         scale * LOG2E, k_cache.shape[1], num_kv_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        PRECISION=_precision(q.dtype), DIRECT=direct, num_warps=4, num_stages=3,
+        **_dot_flags(q.dtype), DIRECT=direct, num_warps=4, num_stages=3,
     )
     if not direct:
         _decode_stage2_kernel[(num_seqs, num_heads)](
