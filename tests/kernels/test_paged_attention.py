@@ -80,6 +80,11 @@ def test_extend(device, dtype, num_heads, num_kv_heads):
     check_extend(device, dtype, Q_LENS, PREFIXES, num_heads, num_kv_heads, head_dim=64)
 
 
+def test_extend_tile_boundaries(device):
+    # first query positions just below / at / above the 64-key tile edge (unmasked-loop bound)
+    check_extend(device, torch.float16, [3, 3, 3, 3, 70], [62, 63, 64, 65, 0], 8, 2, 64)
+
+
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_extend_head_dims(device, head_dim):
     check_extend(device, torch.bfloat16, [1, 37], [20, 13], 4, 1, head_dim)

@@ -1,0 +1,67 @@
+"""The `met` command: generate, serve, bench, memory-plan."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from metrale.config.engine_args import EngineArgs
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from metrale.engine.errors import InvalidRequestError
+    from metrale.entrypoints.llm import LLM
+    from metrale.engine.sampling_params import SamplingParams
+
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(**{k: v for k, v in vars(engine_args).items()})
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed_sampling)
+        out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+    except InvalidRequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out.outputs[0].text)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from metrale.entrypoints.server.app import run_server
+
+    return run_server(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="met", description="met: LLM inference engine and OpenAI-compatible server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the result")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", dest="seed_sampling", type=int, default=None, help="sampling seed of the request")
+    EngineArgs.add_cli_args(gen, skip=("seed",))
+    gen.set_defaults(handler=_generate)
+
+    try:
+        from metrale.entrypoints.server.args import add_serve_args
+    except ImportError:
+        add_serve_args = None
+    if add_serve_args is not None:
+        serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+        add_serve_args(serve)
+        EngineArgs.add_cli_args(serve)
+        serve.set_defaults(handler=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    args = build_parser().parse_args(argv)
+    return args.handler(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""A checkpoint that cannot be used stops with an error that names the problem."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from metrale import LLM
+from metrale.config.model_config import ModelLoadError
+from metrale.loader.safetensors_loader import checkpoint_bytes
+
+
+def copy_checkpoint(src, dst):
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_unsupported_architecture_lists_supported(checkpoint_factory, tmp_path):
+    path = copy_checkpoint(checkpoint_factory("llama"), tmp_path / "m")
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["architectures"] = ["FancyNewForCausalLM"]
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(ModelLoadError, match="FancyNewForCausalLM.*supported architectures: .*LlamaForCausalLM"):
+        LLM(path, device="cpu")
+
+
+def test_missing_tensor_is_named(checkpoint_factory, tmp_path):
+    path = copy_checkpoint(checkpoint_factory("llama"), tmp_path / "m")
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, os.path.join(path, "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"model.layers.1.self_attn.qkv_proj.weight\[k\]"):
+        LLM(path, device="cpu")
+
+
+def test_wrong_shape_is_named(checkpoint_factory, tmp_path):
+    path = copy_checkpoint(checkpoint_factory("llama"), tmp_path / "m")
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    weights["model.norm.weight"] = torch.ones(7)
+    save_file(weights, os.path.join(path, "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="model.norm.weight"):
+        LLM(path, device="cpu")
+
+
+def test_corrupt_file_is_named(checkpoint_factory, tmp_path):
+    path = copy_checkpoint(checkpoint_factory("llama"), tmp_path / "m")
+    file = os.path.join(path, "model.safetensors")
+    data = open(file, "rb").read()
+    open(file, "wb").write(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="model.safetensors.*corrupt or truncated"):
+        LLM(path, device="cpu")
+
+
+def test_pickle_checkpoints_are_refused(checkpoint_factory, tmp_path):
+    path = copy_checkpoint(checkpoint_factory("llama"), tmp_path / "m")
+    os.remove(os.path.join(path, "model.safetensors"))
+    open(os.path.join(path, "pytorch_model.bin"), "wb").write(b"not loaded")
+    with pytest.raises(ModelLoadError, match="pickle.*pytorch_model.bin"):
+        LLM(path, device="cpu")
+
+
+def test_sharded_checkpoint_loads_and_matches(checkpoint_factory, tmp_path):
+    import transformers
+
+    from metrale import SamplingParams
+
+    src = checkpoint_factory("qwen3")
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    dst = str(tmp_path / "sharded")
+    model.save_pretrained(dst, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(os.path.join(src, name), dst)
+    assert os.path.isfile(os.path.join(dst, "model.safetensors.index.json"))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = {"prompt_token_ids": [3, 4, 5, 6]}
+    one = LLM(src, device="cpu").generate(prompt, params)[0].outputs[0].token_ids
+    many = LLM(dst, device="cpu").generate(prompt, params)[0].outputs[0].token_ids
+    assert one == many
+    assert checkpoint_bytes(dst) == sum(p.numel() * 4 for p in model.state_dict().values())
+
+
+def test_missing_directory_and_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(str(tmp_path / "nope"), device="cpu")
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        LLM(str(tmp_path), device="cpu")
+
+
+def test_dummy_weights_need_no_checkpoint(checkpoint_factory, tmp_path):
+    from metrale import SamplingParams
+
+    path = tmp_path / "config_only"
+    path.mkdir()
+    src = checkpoint_factory("qwen3")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, name), path)
+    llm = LLM(str(path), device="cpu", load_format="dummy", num_kv_blocks=16)
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
