@@ -1,0 +1,149 @@
+import math
+
+import pytest
+import torch
+
+from metrale.kernels import reference
+from metrale.kernels.sampling import sample_tokens_triton
+
+# A 10-token distribution with well separated cumulative masses (no filter sits on a boundary):
+# cumulative 0.3 0.5 0.65 0.75 0.83 0.89 0.94 0.97 0.99 1.0
+PROBS = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.08, 0.06, 0.05, 0.03, 0.02, 0.01])
+PERM = torch.tensor([7, 2, 9, 0, 4, 1, 8, 3, 6, 5])  # token ids not sorted by probability
+BASE = torch.empty(10).index_put_((PERM,), PROBS.log())
+
+# (temperature, top_k, top_p, min_p)
+CONFIGS = [
+    (1.0, 0, 1.0, 0.0),  # plain sampling
+    (0.7, 3, 1.0, 0.0),  # temperature + top-k
+    (1.0, 0, 0.7, 0.0),  # top-p: keeps 4 tokens (mass above the 4th is 0.65 < 0.7)
+    (1.3, 0, 1.0, 0.3),  # min-p
+    (1.0, 6, 0.9, 0.3),  # all three bind: k drops 4, p drops the 6th, min-p the 5th
+    (1.0, 10, 1.0, 0.0),  # top_k == vocab: off
+    (1.0, 3, 0.6, 0.0),  # top-p on the RENORMALISED top-3 (.46 .31 .23): keeps 2, not 3
+]
+
+
+def _params(rows, device):
+    cfg = torch.tensor(rows, dtype=torch.float64)
+    return dict(temperature=cfg[:, 0].float().to(device), top_k=cfg[:, 1].long().to(device),
+                top_p=cfg[:, 2].float().to(device), min_p=cfg[:, 3].float().to(device))
+
+
+def _draw(logits, params, seeds, offsets):
+    return sample_tokens_triton(logits, **params, seeds=seeds, offsets=offsets)
+
+
+def test_reference_filter_semantics():
+    logits = BASE.repeat(len(CONFIGS), 1)
+    probs = reference.filter_logits(logits, **_params(CONFIGS, "cpu"))
+    support = [set(PERM[torch.nonzero(probs[i][PERM] > 0).flatten()].tolist()) for i in range(len(CONFIGS))]
+    top = PERM.tolist()  # token ids in decreasing probability
+    assert support[0] == set(top)
+    assert support[1] == set(top[:3])
+    assert support[2] == set(top[:4])
+    # min-p 0.3 at temperature 1.3: p_i / p_max = (PROBS_i / 0.3) ** (1 / 1.3) >= 0.3
+    assert support[3] == {t for t, p in zip(top, PROBS.tolist()) if (p / 0.3) ** (1 / 1.3) >= 0.3}
+    # k=6 -> mass .337 .225 .169 .112 .090 .067; p=0.9 keeps 5 (above the 6th: .933);
+    # min-p 0.3 drops the 5th (0.08 / 0.3 < 0.3)
+    assert support[4] == set(top[:4])
+    assert support[5] == set(top)
+    assert support[6] == set(top[:2])
+    torch.testing.assert_close(probs.sum(-1), torch.ones(len(CONFIGS)))
+
+
+def test_reference_ties_and_greedy():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 2.0, 0.0], [5.0, 1.0, 5.0, 0.0, 0.0]])
+    p = _params([(1.0, 2, 1.0, 0.0), (0.0, 0, 1.0, 0.0)], "cpu")
+    probs = reference.filter_logits(logits, **p)
+    assert (probs[0] > 0).tolist() == [False, True, True, True, False]  # tie at the k-th value: both kept
+    assert probs[1].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]  # greedy: first argmax
+    tokens = reference.sample_tokens(logits, **p, seeds=torch.tensor([1, 2]), offsets=torch.tensor([0, 0]))
+    assert tokens[0].item() in (1, 2, 3) and tokens[1].item() == 0
+
+
+def test_greedy(device):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 300, generator=g)
+    logits[3, [17, 200]] = 100.0  # tie: first index wins
+    n = logits.shape[0]
+    params = _params([(0.0, 5, 0.5, 0.1)] * n, device)  # filters are ignored when greedy
+    out = _draw(logits.to(device), params, torch.arange(n).to(device), torch.zeros(n, dtype=torch.long).to(device))
+    assert out.dtype == torch.int64
+    assert out.cpu().tolist() == logits.argmax(-1).tolist()
+    assert out[3].item() == 17
+
+
+def test_distribution_matches_reference(device):
+    """N draws per config (distinct offsets): every draw is in the reference support,
+    and empirical frequencies match the reference probabilities."""
+    n_draws = 512
+    rows = [c for c in CONFIGS for _ in range(n_draws)]
+    logits = BASE.repeat(len(rows), 1).to(device)
+    params = _params(rows, device)
+    seeds = torch.full((len(rows),), 1234, dtype=torch.int64, device=device)
+    offsets = torch.arange(len(rows), dtype=torch.int64, device=device)
+    out = _draw(logits, params, seeds, offsets).cpu().view(len(CONFIGS), n_draws)
+    ref = reference.filter_logits(BASE.repeat(len(CONFIGS), 1), **_params(CONFIGS, "cpu"))
+    for i in range(len(CONFIGS)):
+        freq = torch.bincount(out[i], minlength=10).double() / n_draws
+        assert (ref[i][freq > 0] > 0).all(), f"config {CONFIGS[i]}: drew a filtered token"
+        p = ref[i].double()
+        sigma = (p * (1 - p) / n_draws).sqrt()
+        assert ((freq - p).abs() <= 4.5 * sigma + 1e-9).all(), f"config {CONFIGS[i]}: {freq} vs {p}"
+
+
+def test_deterministic_and_batch_invariant(device):
+    g = torch.Generator().manual_seed(1)
+    n = 40
+    logits = (torch.randn(n, 257, generator=g) * 3).to(device)
+    rows = [CONFIGS[i % len(CONFIGS)] for i in range(n)]
+    params = _params(rows, device)
+    seeds = torch.randint(0, 2**62, (n,), generator=g).to(device)
+    offsets = torch.randint(0, 2**40, (n,), generator=g).to(device)  # offset * vocab needs 64-bit counters
+    a = _draw(logits, params, seeds, offsets)
+    assert torch.equal(a, _draw(logits, params, seeds, offsets))  # deterministic
+    perm = torch.randperm(n, generator=g).to(device)
+    b = _draw(logits[perm], {k: v[perm] for k, v in params.items()}, seeds[perm], offsets[perm])
+    assert torch.equal(b, a[perm])  # any batch order
+    for i in (0, 7, 33):  # alone
+        one = _draw(logits[i:i + 1], {k: v[i:i + 1] for k, v in params.items()}, seeds[i:i + 1], offsets[i:i + 1])
+        assert one.item() == a[i].item()
+    # the draw depends on (seed, offset): changing the offset changes some draws
+    c = _draw(logits, params, seeds, offsets + 1)
+    assert not torch.equal(a, c)
+
+
+def test_large_vocab_filters(device):
+    """Vocab larger than one 4096 block: top-k / top-p / min-p thresholds across blocks."""
+    g = torch.Generator().manual_seed(2)
+    vocab, n = 5000, 6
+    logits = torch.randn(n, vocab, generator=g) * 2
+    rows = [(1.0, 20, 1.0, 0.0), (0.8, 0, 0.5, 0.0), (1.0, 0, 1.0, 0.5),
+            (1.0, 100, 0.8, 0.05), (0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0)]
+    params = _params(rows, device)
+    ref = reference.filter_logits(logits, **_params(rows, "cpu"))
+    for offset in range(3):
+        out = _draw(logits.to(device), params, torch.arange(n).to(device), torch.full((n,), offset).to(device))
+        out = out.cpu()
+        assert (ref.gather(1, out[:, None]) > 0).all()
+        assert out[4].item() == logits[4].argmax().item()
+
+
+@pytest.mark.gpu
+def test_sampling_gpu():
+    g = torch.Generator().manual_seed(3)
+    vocab, n = 151936, 256
+    logits = (torch.randn(n, vocab, generator=g) * 3).cuda()
+    rows = [(0.0, 0, 1.0, 0.0), (1.0, 50, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.1),
+            (0.9, 40, 0.95, 0.05), (1.0, 0, 1.0, 0.0)]
+    rows = [rows[i % len(rows)] for i in range(n)]
+    params = _params(rows, "cuda")
+    seeds = torch.arange(n).cuda()
+    offsets = torch.full((n,), 77).cuda()
+    out = _draw(logits, params, seeds, offsets)
+    ref = reference.filter_logits(logits, **params)
+    assert (ref.gather(1, out[:, None]) > 0).all()
+    perm = torch.randperm(n, generator=g).cuda()
+    assert torch.equal(_draw(logits[perm], {k: v[perm] for k, v in params.items()}, seeds[perm], offsets[perm]),
+                       out[perm])
