@@ -41,6 +41,18 @@ class EngineArgs:
     attention_backend: str = option("auto", "Attention implementation; auto: triton on CUDA, torch on CPU",
                                     choices=("auto", "torch", "triton"))
     enforce_eager: bool = option(False, "Never capture CUDA graphs")
+    enable_prefix_caching: bool = option(True, "Reuse the KV of full blocks shared with earlier requests")
+    kv_cache_dtype: str = option("auto", "KV cache element type; auto: the model dtype",
+                                 choices=("auto", "float32", "bfloat16", "float16", "fp8"))
+    # Parallelism (docs/parallel.md). world = tp x ep (orthogonal mesh) or tp = ep = world (overlapping).
+    tp_size: int = option(1, "Tensor-parallel ranks")
+    ep_size: int = option(1, "Expert-parallel ranks (MoE models)")
+    world_size: int = option(1, "Ranks in all, across hosts; derived from --tp-size and --ep-size when 1")
+    rank: int = option(0, "This process's global rank (multi-host launches)")
+    master_addr: str = option("127.0.0.1", "Address of rank 0's rendezvous")
+    master_port: int = option(29500, "Port of rank 0's rendezvous")
+    moe_expert_layout: str = option("ep", "ep: each EP rank holds a range of experts; tp: every expert's "
+                                          "intermediate dimension is sliced over the TP ranks", choices=("ep", "tp"))
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -104,7 +104,8 @@ class LLMEngine:
         self.runner.allocate_kv_cache(blocks)
         self.scheduler = Scheduler(num_kv_blocks=blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                                    max_num_batched_tokens=args.max_num_batched_tokens,
-                                   max_model_len=self.model_config.max_model_len)
+                                   max_model_len=self.model_config.max_model_len,
+                                   enable_prefix_caching=args.enable_prefix_caching)
         log.phase("size KV cache", f"{blocks} blocks x {args.block_size} tokens "
                                    f"({blocks * self.runner.kv_bytes_per_block() / 2**20:.0f} MiB), "
                                    f"attention backend {self.runner.backend.name}")

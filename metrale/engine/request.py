@@ -26,15 +26,17 @@ class Request:
     """Invariant: 0 <= num_computed_tokens <= num_tokens; tokens past num_computed_tokens have no KV yet."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 seed: int, arrival_time: float | None = None):
+                 seed: int, arrival_time: float | None = None, extra_keys: tuple = ()):
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt, then outputs as they are sampled
+        self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params
+        # Mixed into the prefix-cache hashes: requests with different keys never share KV.
+        self.extra_keys = extra_keys
         # Every request samples from its own counter-based stream (seed, output index), so its
         # tokens do not depend on the batch it runs in nor on being preempted and recomputed.
         self.seed = seed
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -42,20 +44,23 @@ class Request:
         self.num_preemptions = 0
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def append_output_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

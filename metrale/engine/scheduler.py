@@ -25,12 +25,14 @@ class SchedulerStats:
     num_waiting: int
     kv_cache_usage: float
     num_preemptions_total: int
+    prefix_cache_queries_total: int  # prompt tokens looked up
+    prefix_cache_hits_total: int  # of those, tokens whose KV was reused
 
 
 class Scheduler:
     def __init__(self, *, num_kv_blocks: int, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int):
-        self.kv = KVCacheManager(num_kv_blocks, block_size)
+                 max_num_batched_tokens: int, max_model_len: int, enable_prefix_caching: bool = False):
+        self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -40,6 +42,7 @@ class Scheduler:
         self._dropped_since_last_step: list[str] = []  # finished or preempted: runner forgets them
         self._runner_knows: set[str] = set()
         self.num_preemptions_total = 0
+        self._pinned_copy_sources: list[int] = []  # held until the runner has copied them
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -76,7 +79,7 @@ class Scheduler:
             self._dropped_since_last_step.append(request.request_id)
 
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request.request_id)
+        self.kv.free(request.request_id, forget_hashes=False)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -91,7 +94,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions_total)
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions_total,
+                              self.kv.prefix_queries_total, self.kv.prefix_hits_total)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -99,6 +103,8 @@ class Scheduler:
         """Plan one step. Also returns requests that ended while planning (they can never fit)."""
         out = SchedulerOutput(finished_request_ids=self._dropped_since_last_step)
         self._dropped_since_last_step = []
+        self.kv.pool.release(self._pinned_copy_sources)  # the last step's copies are done
+        self._pinned_copy_sources = []
         ended: list[Request] = []
         budget = self.max_num_batched_tokens
         preempted_this_step = False
@@ -132,30 +138,55 @@ class Scheduler:
         while (not preempted_this_step and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_blocks = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
-            if new_blocks is None:
+            admitted = self._admit(request, budget, out)
+            if admitted is None:
                 if not self.running:
                     # An empty pool cannot hold this chunk: it never will.
                     self.waiting.popleft()
                     request.error = (f"the request needs {request.num_tokens} tokens of KV cache but the "
                                      f"pool holds {self.kv.capacity_tokens}")
-                    self._finish(request, RequestStatus.FINISHED_LENGTH if request.output_token_ids
+                    self._finish(request, RequestStatus.FINISHED_LENGTH if request.num_output_tokens
                                  else RequestStatus.FINISHED_ERROR)
                     ended.append(request)
                     continue
                 break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._runner_knows.add(request.request_id)
-            out.new_requests.append(NewRequestData(
-                request.request_id, request.all_token_ids, request.num_prompt_tokens,
-                request.sampling_params, request.seed,
-                list(self.kv.get_block_table(request.request_id)), request.num_computed_tokens))
-            out.num_scheduled_tokens[request.request_id] = num_new
-            budget -= num_new
+            budget -= admitted
         return out, ended
+
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Start (or resume) the head of the waiting queue: reuse its cached prefix, allocate
+        blocks for its first chunk. Returns the tokens scheduled, or None when the pool is short."""
+        bs = self.kv.block_size
+        prefix = self.kv.find_cached_prefix(request.request_id, request.token_ids, request.extra_keys)
+        num_cached = len(prefix) * bs
+        copy_source = None
+        if prefix and num_cached >= request.num_tokens:
+            # Everything is cached, but the last token must run for its logits. It is recomputed
+            # in a private copy of the last block, never written into a shared one.
+            copy_source = prefix.pop()
+            num_cached = request.num_tokens - 1
+            self.kv.pool.touch([copy_source])
+        num_new = min(request.num_tokens - num_cached, budget)
+        if self.kv.allocate_slots(request.request_id, num_cached + num_new, prefix) is None:
+            if copy_source is not None:
+                self.kv.pool.release([copy_source])
+            return None
+        if copy_source is not None:
+            out.block_copies.append((copy_source, self.kv.get_block_table(request.request_id)[len(prefix)]))
+            self._pinned_copy_sources.append(copy_source)
+        if self.kv.enable_prefix_caching:
+            self.kv.prefix_queries_total += request.num_tokens
+            self.kv.prefix_hits_total += num_cached
+        request.num_computed_tokens = num_cached
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._runner_knows.add(request.request_id)
+        out.new_requests.append(NewRequestData(
+            request.request_id, list(request.token_ids), request.num_prompt_tokens, request.sampling_params,
+            request.seed, list(self.kv.get_block_table(request.request_id)), num_cached))
+        out.num_scheduled_tokens[request.request_id] = num_new
+        return num_new
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[int] | None, bool]:
         """Blocks for `num_new` more tokens, preempting the newest other requests while short.
@@ -183,10 +214,12 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_tokens
+            self.kv.cache_full_blocks(request_id, request.token_ids, request.num_computed_tokens,
+                                      request.extra_keys)
             token = result.sampled_token_ids.get(request_id)
             if token is None:
                 continue  # a prefill chunk that does not reach the end of the prompt
-            request.output_token_ids.append(token)
+            request.append_output_token(token)
             updates.append((request, [token]))
             status = self._check_stop(request, token)
             if status is not None:

@@ -42,6 +42,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Requests finished or preempted since the last step: the runner drops their state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # (source, destination) KV blocks to copy before the forward pass: a request whose whole
+    # prompt is cached recomputes its last token in a private copy of the last shared block.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -59,7 +62,8 @@ class SchedulerOutput:
         new = [NewRequestData(**{**r, "sampling_params": SamplingParams.from_dict(r["sampling_params"])})
                for r in wire["new_requests"]]
         cached = [CachedRequestData(**r) for r in wire["cached_requests"]]
-        return cls(new, cached, dict(wire["num_scheduled_tokens"]), list(wire["finished_request_ids"]))
+        return cls(new, cached, dict(wire["num_scheduled_tokens"]), list(wire["finished_request_ids"]),
+                   [tuple(pair) for pair in wire["block_copies"]])
 
 
 @dataclass

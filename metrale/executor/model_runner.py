@@ -51,7 +51,7 @@ class ModelRunner:
         self.block_size = block_size
         self.backend = get_backend(attention_backend, device)
         self.requests: dict[str, RunnerRequest] = {}
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[torch.Tensor] = []  # per layer: [2, num_blocks, block_size, kv_heads, head_dim]
         self._pin = device.type == "cuda"
 
     # -- the KV cache --------------------------------------------------------------------------
@@ -71,7 +71,13 @@ class ModelRunner:
             cache = torch.empty(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
                                 dtype=self.model_config.dtype, device=self.device)
             layer.kv_cache = (cache[0], cache[1])
-            self.kv_caches.append(layer.kv_cache)
+            self.kv_caches.append(cache)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        sources = torch.tensor([s for s, _ in pairs], device=self.device)
+        destinations = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, destinations] = cache[:, sources]
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -127,6 +133,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         self._apply_plan(plan)
+        if plan.block_copies:
+            self.copy_blocks(plan.block_copies)
         if plan.is_empty:
             return ModelRunnerOutput()
         batch = self.prepare_inputs(plan)
