@@ -40,6 +40,8 @@ def _expected_pieces(model: nn.Module, params: dict[str, torch.Tensor]) -> set[t
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], progress=None) -> None:
+    if hasattr(model, "load_weights"):
+        return model.load_weights(weights, progress)
     params = dict(model.named_parameters())
     stacked = getattr(model, "stacked_params", [])
     skip_lm_head = getattr(model, "tied_embeddings", False)

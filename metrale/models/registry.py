@@ -9,6 +9,9 @@ _MODELS = {
     "LlamaForCausalLM": ("metrale.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("metrale.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("metrale.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("metrale.models.qwen3_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("metrale.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("metrale.models.minimax_m2", "MiniMaxM2ForCausalLM"),
 }
 
 

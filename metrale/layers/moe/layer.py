@@ -1,0 +1,126 @@
+"""FusedMoE: top-k routing, then every expert's SwiGLU over the tokens routed to it.
+
+Expert weights are stacked per layer, gate and up fused as in the dense MLP:
+
+    w13 [local_experts, 2 * local_intermediate, hidden]   rows [0, I) gate (w1), [I, 2I) up (w3)
+    w2  [local_experts, hidden, local_intermediate]       down
+
+where local_experts is this rank's contiguous expert range and local_intermediate its slice of
+each expert (see parallel.py). Routing always runs over all experts (the router is replicated);
+assignments to experts held elsewhere contribute zero and one all-reduce over the layout's group
+sums the partial outputs. CUDA tensors take the Triton grouped GEMM, others the PyTorch loop.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from metrale.kernels import use_triton
+from metrale.layers.moe.parallel import MoEParallelLayout, get_moe_layout
+from metrale.layers.moe.reference import fused_experts_reference
+from metrale.layers.moe.routing import SCORING_FUNCTIONS, select_experts
+
+# Checkpoint projection -> our shard of w13/w2. Per-expert tensors are named either way
+# (Qwen/DeepSeek: gate/up/down_proj; Mixtral/MiniMax: w1/w3/w2); transformers' in-memory layout
+# stacks a whole layer as experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I].
+EXPERT_SHARD_OF = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
+STACKED_SHARD_OF = {"gate_up_proj": "w13", "down_proj": "w2"}
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 scoring: str = "softmax", renormalize: bool = True, use_correction_bias: bool = False,
+                 layout: MoEParallelLayout | None = None, reduce_results: bool = True):
+        super().__init__()
+        if scoring not in SCORING_FUNCTIONS:
+            raise ValueError(f"unknown MoE scoring function {scoring!r}; expected one of {SCORING_FUNCTIONS}")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k ({top_k}) must be between 1 and the number of experts ({num_experts})")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.scoring, self.renormalize, self.reduce_results = scoring, renormalize, reduce_results
+        self.layout = layout or get_moe_layout()
+        self.expert_start, self.expert_end = self.layout.expert_range(num_experts)
+        self.inter_start, self.inter_end = self.layout.intermediate_slice(intermediate_size)
+        num_local, local_inter = self.expert_end - self.expert_start, self.inter_end - self.inter_start
+        self.local_intermediate = local_inter
+        self.w13 = nn.Parameter(torch.empty(num_local, 2 * local_inter, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, local_inter), requires_grad=False)
+        self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        if use_correction_bias:
+            # Kept in float32 whatever the model dtype: it only ranks experts, and small gaps matter.
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                        requires_grad=False)
+        else:
+            self.register_parameter("e_score_correction_bias", None)
+
+    @property
+    def expert_range(self) -> tuple[int, int]:
+        return self.expert_start, self.expert_end
+
+    def holds_expert(self, expert_id: int) -> bool:
+        return self.expert_start <= expert_id < self.expert_end
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str,
+                      expert_id: int | None = None) -> None:
+        """Copy this rank's part of one checkpoint tensor. shard_id "w1" (gate), "w3" (up) or "w2"
+        (down) with a global expert_id for a per-expert tensor [I, H] / [H, I]; with expert_id None,
+        "w13" [E, 2I, H] or "w2" [E, H, I] for a whole layer stacked. Other ranks' experts are skipped."""
+        if expert_id is None:
+            self._load_stacked(param, loaded, shard_id)
+            return
+        full_i, hidden = self.intermediate_size, self.hidden_size
+        expected = (hidden, full_i) if shard_id == "w2" else (full_i, hidden)
+        if shard_id not in ("w1", "w3", "w2"):
+            raise ValueError(f"unknown expert shard {shard_id!r}")
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"expert {expert_id} {shard_id}: checkpoint shape {tuple(loaded.shape)} "
+                             f"does not match {expected}")
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert id {expert_id} is out of range for {self.num_experts} experts")
+        if not self.holds_expert(expert_id):
+            return
+        local, size = expert_id - self.expert_start, self.local_intermediate
+        if shard_id == "w2":
+            param.data[local].copy_(loaded.narrow(1, self.inter_start, size))
+        else:
+            offset = 0 if shard_id == "w1" else size
+            param.data[local].narrow(0, offset, size).copy_(loaded.narrow(0, self.inter_start, size))
+
+    def _load_stacked(self, param, loaded, shard_id):
+        full_i, hidden, experts = self.intermediate_size, self.hidden_size, self.num_experts
+        expected = {"w13": (experts, 2 * full_i, hidden), "w2": (experts, hidden, full_i)}.get(shard_id)
+        if expected is None:
+            raise ValueError(f"unknown stacked expert shard {shard_id!r}")
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"stacked {shard_id}: checkpoint shape {tuple(loaded.shape)} does not match {expected}")
+        for expert in range(self.expert_start, self.expert_end):
+            if shard_id == "w2":
+                self.weight_loader(param, loaded[expert], "w2", expert)
+            else:
+                self.weight_loader(param, loaded[expert, :full_i], "w1", expert)
+                self.weight_loader(param, loaded[expert, full_i:], "w3", expert)
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.scoring, self.renormalize,
+                                                self.e_score_correction_bias)
+        if self.scoring == "softmax":
+            # transformers rounds softmax routing weights to the model dtype; sigmoid ones stay float32.
+            topk_weights = topk_weights.to(router_logits.dtype)
+        return topk_weights, topk_ids
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], router_logits [T, num_experts] -> [T, H], summed over the layout's ranks."""
+        topk_weights, topk_ids = self.route(router_logits)
+        if use_triton(hidden):
+            from metrale.layers.moe.triton_moe import fused_experts_triton as experts
+        else:
+            experts = fused_experts_reference
+        out = experts(hidden, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)
+        return self.layout.reduce_group.all_reduce(out) if self.reduce_results else out
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts} (local {self.expert_start}..{self.expert_end - 1}), top_k={self.top_k}, "
+                f"hidden={self.hidden_size}, intermediate={self.intermediate_size} (local {self.local_intermediate}), "
+                f"scoring={self.scoring}, renormalize={self.renormalize}")

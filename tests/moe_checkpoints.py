@@ -1,0 +1,57 @@
+"""Tiny random mixture-of-experts checkpoints, written by `transformers` itself.
+
+Same recipe as checkpoints.py (trained byte-level tokenizer, transformers' own random init with
+initializer_range 0.2 so greedy picks are clear-cut, float32 safetensors), for the MoE families.
+transformers 5.x saves experts per expert in the original hub layout (Qwen: mlp.experts.{e}.
+gate_proj/up_proj/down_proj; MiniMax-M2: block_sparse_moe.experts.{e}.w1/w3/w2), which is
+what met's loader must read.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from checkpoints import VOCAB_SIZE, make_tokenizer
+
+_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-6,
+               num_experts_per_tok=2, tie_word_embeddings=False)
+
+MOE_FAMILIES = {
+    # Layer 0 sparse, layer 1 dense (mlp_only_layers), softmax routing renormalised over the top 2.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=32, num_experts=8, moe_intermediate_size=32, intermediate_size=96, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[1])),
+    # Sigmoid routing with a (non-zero, set below) correction bias, partial rotary, full-width q/k norm.
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
+        head_dim=32, rotary_dim=16, num_local_experts=8, intermediate_size=32)),
+    # A shared expert with a sigmoid gate, Q/K/V bias, no renormalisation.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, moe_intermediate_size=32, intermediate_size=96, shared_expert_intermediate_size=48,
+        norm_topk_prob=False)),
+}
+
+
+def make_moe_checkpoint(path: str, family: str, seed: int = 0, **overrides) -> str:
+    import transformers
+
+    config_name, model_name, extra = MOE_FAMILIES[family]
+    os.makedirs(path, exist_ok=True)
+    tokenizer = make_tokenizer(path)
+    fields = dict(_COMMON, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                  bos_token_id=None, **extra)
+    fields.update(overrides)
+    config = getattr(transformers, config_name)(**fields)
+    config.architectures = [model_name]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).float().eval()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # transformers initialises it to zero; a real one changes which experts win.
+                buffer.copy_(torch.rand(buffer.shape) * 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    model.generation_config.save_pretrained(path)
+    return path
