@@ -173,6 +173,7 @@ class AsyncEngine:
         self._ready = None  # asyncio.Event, made on the loop in start()
         self._streams: dict[str, RequestStream] = {}  # loop side only
         self._num_seqs_in_flight = 0
+        self.max_num_seqs = 0  # the scheduler's, once loaded (the flag may say "auto")
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -195,7 +196,12 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        self._fail_all(EngineDeadError("the engine was shut down"))
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:  # streams belong to the loop; once it is closed nobody waits on them
+            self._fail_all(EngineDeadError("the engine was shut down"))
 
     @property
     def num_requests_in_flight(self) -> int:
@@ -237,7 +243,7 @@ class AsyncEngine:
         """Whether `num_seqs` more sequences fit under the running limit plus --max-waiting."""
         if num_seqs <= 0:
             return True
-        queued_after = self._num_seqs_in_flight + num_seqs - self.args.max_num_seqs
+        queued_after = self._num_seqs_in_flight + num_seqs - self.max_num_seqs
         # The scheduler's own waiting count covers the case where KV blocks, not max_num_seqs,
         # are what keeps requests waiting.
         return queued_after <= self.max_waiting and self.snapshot.num_waiting <= self.max_waiting
@@ -251,7 +257,7 @@ class AsyncEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not self.would_admit(num_seqs):
             raise EngineOverloadedError(
-                f"the server is at capacity ({self.args.max_num_seqs} running, {self.max_waiting} waiting); "
+                f"the server is at capacity ({self.max_num_seqs} running, {self.max_waiting} waiting); "
                 f"retry later")
         stream = RequestStream(request_id, num_seqs, self)
         self._streams[request_id] = stream
@@ -309,6 +315,7 @@ class AsyncEngine:
             self.state = EngineState.FAILED
             self._on_loop(self._ready.set)
             return
+        self.max_num_seqs = self.engine.scheduler.max_num_seqs
         self._publish_snapshot()
         self.state = EngineState.READY
         self._on_loop(self._ready.set)

@@ -1,0 +1,67 @@
+"""The flags of `met serve` that are the server's own; the engine flags come from EngineArgs."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+DEFAULT_MAX_HEADER_BYTES = 32 << 10
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server options")
+    group.add_argument("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0: every interface)")
+    group.add_argument("--port", type=int, default=8000, help="Port to listen on")
+    group.add_argument("--served-model-name", default=None,
+                       help="The model name clients send and /v1/models lists; default: 'demo' for the "
+                            "built-in model, else the --model value")
+    group.add_argument("--api-key", default=None,
+                       help="Require 'Authorization: Bearer KEY' on every route but /health")
+    group.add_argument("--max-waiting", type=int, default=512,
+                       help="Most requests (counting each of n completions) queued beyond --max-num-seqs; "
+                            "the next one gets 503 with Retry-After")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="Seconds SIGTERM waits for in-flight requests before aborting them")
+    group.add_argument("--max-n", type=int, default=16, help="Largest n (completions per request) accepted")
+    group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help="Largest request body; a larger one gets 413")
+    group.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
+                       help="Largest request line plus headers; larger ones get 431")
+    group.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
+                       help="Log one line per HTTP request")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str
+    port: int
+    served_model_name: str
+    api_key: str | None
+    max_waiting: int
+    shutdown_timeout: float
+    max_n: int
+    max_body_bytes: int
+    max_header_bytes: int
+    access_log: bool
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerConfig":
+        from metrale.engine.sampling_params import MAX_N
+
+        name = args.served_model_name or ("demo" if args.model in (None, "demo") else args.model)
+        checks = [
+            (1 <= args.port <= 65535, f"--port must be in 1..65535, got {args.port}"),
+            (args.max_waiting >= 0, f"--max-waiting must be >= 0, got {args.max_waiting}"),
+            (args.shutdown_timeout >= 0, f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}"),
+            (1 <= args.max_n <= MAX_N, f"--max-n must be in 1..{MAX_N}, got {args.max_n}"),
+            (args.max_body_bytes >= 1024, f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}"),
+            (args.max_header_bytes >= 1024,
+             f"--max-header-bytes must be at least 1024, got {args.max_header_bytes}"),
+            (args.api_key is None or args.api_key != "", "--api-key must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        return cls(args.host, args.port, name, args.api_key, args.max_waiting, args.shutdown_timeout, args.max_n,
+                   args.max_body_bytes, args.max_header_bytes, args.access_log)
