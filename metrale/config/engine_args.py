@@ -14,9 +14,18 @@ import typing
 from dataclasses import dataclass, field
 
 
-def option(default, help: str, choices: tuple | None = None, flag: str | None = None):
-    metadata = {"help": help, "choices": choices, "flag": flag}
+def option(default, help: str, choices: tuple | None = None, flag: str | None = None, parse=None):
+    metadata = {"help": help, "choices": choices, "flag": flag, "parse": parse}
     return field(default=default, metadata=metadata)
+
+
+def int_or_auto(value: str | int) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
 
 
 @dataclass
@@ -31,7 +40,8 @@ class EngineArgs:
     load_format: str = option("auto", "auto/safetensors: read the checkpoint; dummy: random weights from the "
                                       "config alone (benchmarks)", choices=("auto", "safetensors", "dummy"))
     max_model_len: int | None = option(None, "Context length (prompt + output); default: the model's")
-    max_num_seqs: int = option(256, "Most requests running at once")
+    max_num_seqs: int | str = option(256, "Most requests running at once; auto: from the memory plan",
+                                     parse=int_or_auto)
     max_num_batched_tokens: int = option(8192, "Token budget of one step (prefill chunks + decodes)")
     block_size: int = option(16, "Tokens per KV cache block")
     num_kv_blocks: int | None = option(None, "Fix the KV pool's size in blocks; default: from the memory budget")
@@ -55,8 +65,9 @@ class EngineArgs:
                                           "intermediate dimension is sliced over the TP ranks", choices=("ep", "tp"))
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
+        self.max_num_seqs = int_or_auto(self.max_num_seqs)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tp_size", "ep_size", "world_size"):
+            if getattr(self, name) != "auto" and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
@@ -81,7 +92,7 @@ class EngineArgs:
             if base is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
-                kwargs["type"] = base
+                kwargs["type"] = f.metadata.get("parse") or base
                 if f.metadata.get("choices"):
                     kwargs["choices"] = f.metadata["choices"]
             group.add_argument(flag, **kwargs)

@@ -6,58 +6,20 @@ import json
 import logging
 import os
 import random
-import time
-
-import torch
 
 from metrale.config.engine_args import EngineArgs
-from metrale.config.model_config import ModelConfig, load_model_config
+from metrale.config.model_config import ModelConfig
 from metrale.engine.errors import InvalidRequestError
 from metrale.engine.output_processor import OutputProcessor
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.request import Request, RequestStatus
 from metrale.engine.sampling_params import SamplingParams
 from metrale.engine.scheduler import Scheduler
-from metrale.executor.kv_cache_sizing import num_kv_blocks
-from metrale.executor.model_loader import build_model
-from metrale.executor.model_runner import ModelRunner
-from metrale.models.registry import supported_architectures
+from metrale.engine.startup import StartupLog, build_engine_parts
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' was asked for but PyTorch sees no CUDA device")
-    return torch.device(name)
-
-
-def resolve_model_dir(model: str | None) -> str:
-    if model in (None, "demo"):
-        from metrale.demo import demo_model_dir
-
-        return demo_model_dir()
-    return model
-
-
-class StartupLog:
-    """Prints each startup phase with the time it took."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.number = 0
-        self.start = time.perf_counter()
-
-    def phase(self, name: str, detail: str = "") -> None:
-        now = time.perf_counter()
-        self.number += 1
-        if self.enabled:
-            logger.info("[%d] %-18s %6.2fs  %s", self.number, name, now - self.start, detail)
-        self.start = now
 
 
 def _eos_token_ids(model_dir: str, tokenizer) -> list[int]:
@@ -75,40 +37,17 @@ def _eos_token_ids(model_dir: str, tokenizer) -> list[int]:
 class LLMEngine:
     def __init__(self, args: EngineArgs, log_startup: bool = False):
         self.args = args
-        log = StartupLog(log_startup)
-        self.device = resolve_device(args.device)
-        model_dir = resolve_model_dir(args.model)
-        log.phase("resolve model", model_dir)
-
-        self.model_config: ModelConfig = load_model_config(model_dir, args.dtype, self.device, args.max_model_len,
-                                                           supported_architectures())
-        self.tokenizer = None
-        if not args.skip_tokenizer_init:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir, trust_remote_code=False)
-        self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
-        log.phase("read config", f"{self.model_config.architecture}, {self.model_config.dtype}, "
-                                 f"context {self.model_config.max_model_len}, device {self.device}")
-
-        torch.manual_seed(args.seed)
-        model = build_model(self.model_config, self.device, args.load_format, args.seed, show_progress=log_startup)
-        self.runner = ModelRunner(model, self.model_config, self.device, args.block_size, args.attention_backend)
-        log.phase("load weights", f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
-
-        blocks = num_kv_blocks(
-            fixed=args.num_kv_blocks, budget_bytes=args.kv_cache_memory,
-            bytes_per_block=self.runner.kv_bytes_per_block(), block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs, max_model_len=self.model_config.max_model_len, device=self.device,
-            gpu_memory_utilization=args.gpu_memory_utilization)
-        self.runner.allocate_kv_cache(blocks)
-        self.scheduler = Scheduler(num_kv_blocks=blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                                   max_num_batched_tokens=args.max_num_batched_tokens,
+        parts = build_engine_parts(args, StartupLog(log_startup))
+        self.model_config: ModelConfig = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.runner = parts.runner
+        self.device = self.runner.device
+        self.memory_plan = parts.plan
+        self.eos_token_ids = _eos_token_ids(self.model_config.model_dir, self.tokenizer)
+        self.scheduler = Scheduler(num_kv_blocks=parts.plan.num_kv_blocks, block_size=args.block_size,
+                                   max_num_seqs=parts.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                    max_model_len=self.model_config.max_model_len,
                                    enable_prefix_caching=args.enable_prefix_caching)
-        log.phase("size KV cache", f"{blocks} blocks x {args.block_size} tokens "
-                                   f"({blocks * self.runner.kv_bytes_per_block() / 2**20:.0f} MiB), "
-                                   f"attention backend {self.runner.backend.name}")
         self.outputs = OutputProcessor(self.tokenizer)
         self._seed_rng = random.Random(args.seed)
         self._children: dict[str, list[str]] = {}

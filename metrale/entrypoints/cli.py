@@ -26,6 +26,32 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _memory_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from metrale.config.model_config import load_model_config
+    from metrale.engine.startup import plan_memory, resolve_device, resolve_model_dir
+    from metrale.executor.memory_plan import MemoryPlanError, fit_kv_blocks, resolve_max_num_seqs
+    from metrale.models.registry import supported_architectures
+
+    engine_args = EngineArgs.from_cli_args(args)
+    device_total = int(args.device_memory_gib * 2**30) if args.device_memory_gib else None
+    device = torch.device("cuda") if device_total else resolve_device(engine_args.device)
+    model_dir = resolve_model_dir(engine_args.model, engine_args.load_format)
+    config = load_model_config(model_dir, engine_args.dtype, device, engine_args.max_model_len,
+                               supported_architectures())
+    plan = plan_memory(engine_args, config, device, device_total)
+    try:
+        fit_kv_blocks(plan, engine_args.num_kv_blocks)
+    except MemoryPlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    plan.max_num_seqs = resolve_max_num_seqs(engine_args.max_num_seqs, plan.kv_capacity_tokens, plan.max_model_len)
+    print(plan.table())
+    print("  (activation reserve estimated; `met serve` measures it on the GPU after loading the weights)")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from metrale.entrypoints.server.app import run_server
 
@@ -43,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", dest="seed_sampling", type=int, default=None, help="sampling seed of the request")
     EngineArgs.add_cli_args(gen, skip=("seed",))
     gen.set_defaults(handler=_generate)
+
+    mem = sub.add_parser("memory-plan", help="print the startup memory plan without loading anything")
+    mem.add_argument("--device-memory-gib", type=float, default=None,
+                     help="plan for a GPU of this size (default: this machine's device)")
+    EngineArgs.add_cli_args(mem)
+    mem.set_defaults(handler=_memory_plan)
 
     try:
         from metrale.entrypoints.server.args import add_serve_args

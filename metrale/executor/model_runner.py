@@ -79,6 +79,49 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache[:, destinations] = cache[:, sources]
 
+    @torch.inference_mode()
+    def profile_activation_bytes(self, num_tokens: int, num_sampled: int, max_model_len: int) -> int:
+        """Peak transient memory of the largest step, measured on CUDA: a forward pass over
+        `num_tokens` tokens (as sequences of at most `max_model_len`), then logits and the sampler
+        for `num_sampled` rows. A throwaway KV cache just large enough is used and freed."""
+        from metrale.engine.scheduler_output import NewRequestData, SchedulerOutput
+
+        lengths = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
+        blocks_each = [-(-n // self.block_size) for n in lengths]
+        self.allocate_kv_cache(sum(blocks_each))
+        plan, first_block = SchedulerOutput(), 0
+        for i, n in enumerate(lengths):
+            rid = f"__profile_{i}"
+            plan.new_requests.append(NewRequestData(
+                rid, [1] * n, n, SamplingParams(temperature=1.0, top_p=0.9), 0,
+                list(range(first_block, first_block + blocks_each[i])), 0))
+            plan.num_scheduled_tokens[rid] = n
+            first_block += blocks_each[i]
+        self._apply_plan(plan)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        batch = self.prepare_inputs(plan)
+        with set_forward_context(ForwardContext(batch.metadata, self.backend)):
+            hidden = self.model(batch.input_ids, batch.positions)
+        rows = min(num_sampled, hidden.shape[0])
+        logits = self.model.compute_logits(hidden[:rows])
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+        sample(logits, [SamplingRow(params, i, [1], []) for i in range(rows)])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del hidden, logits, batch
+        self.requests.clear()
+        self.release_kv_cache()
+        return peak
+
+    def release_kv_cache(self) -> None:
+        for layer in self.attention_layers():
+            layer.kv_cache = None
+        self.kv_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     # -- one step ------------------------------------------------------------------------------
 
     def _apply_plan(self, plan: SchedulerOutput) -> None:

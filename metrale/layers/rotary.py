@@ -55,7 +55,9 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         self.is_neox_style = is_neox_style
-        inv_freq, scaling = inverse_frequencies(hf_config, self.rotary_dim)
+        with torch.device("cpu"):  # the rope initialisers compute on the host, whatever device builds us
+            inv_freq, scaling = inverse_frequencies(hf_config, self.rotary_dim)
+        inv_freq = inv_freq.to(torch.get_default_device())
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         # [max_position, rotary_dim]: first half cos, second half sin (the kernels' layout).
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1),

@@ -1,0 +1,164 @@
+"""Startup, in its phases: resolve the model, read the config, plan memory, load the weights,
+size the KV cache. Each phase is logged with the time it took."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from metrale.config.engine_args import EngineArgs
+from metrale.config.model_config import ModelConfig, ModelLoadError, load_model_config
+from metrale.executor.memory_plan import (CPU_DEFAULT_KV_BYTES, CUDA_RUNTIME_OVERHEAD_BYTES, MemoryPlan,
+                                          estimate_activation_bytes, fit_kv_blocks, parameter_bytes,
+                                          resolve_max_num_seqs)
+from metrale.executor.model_loader import build_model
+from metrale.executor.model_runner import ModelRunner
+from metrale.models.registry import get_model_class, supported_architectures
+
+logger = logging.getLogger(__name__)
+
+SHIPPED_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "model_configs")
+
+
+class StartupLog:
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.number = 0
+        self.start = time.perf_counter()
+
+    def phase(self, name: str, detail: str = "") -> None:
+        now = time.perf_counter()
+        self.number += 1
+        if self.enabled:
+            logger.info("[%d] %-14s %7.2fs  %s", self.number, name, now - self.start, detail)
+        self.start = now
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for but PyTorch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_model_dir(model: str | None, load_format: str) -> str:
+    """A directory; `demo` (or nothing) for the built-in demo model; or, with dummy weights, the
+    name of a real model whose config.json ships with met (metrale/model_configs/)."""
+    if model in (None, "demo"):
+        from metrale.demo import demo_model_dir
+
+        return demo_model_dir()
+    if not os.path.isdir(model) and load_format == "dummy":
+        shipped = os.path.join(SHIPPED_CONFIGS, os.path.basename(model.rstrip("/")))
+        if os.path.isdir(shipped):
+            return shipped
+    return model
+
+
+def shipped_config_names() -> list[str]:
+    return sorted(os.listdir(SHIPPED_CONFIGS))
+
+
+@dataclass
+class EngineParts:
+    model_config: ModelConfig
+    tokenizer: object
+    runner: ModelRunner
+    plan: MemoryPlan
+    max_num_seqs: int
+
+
+def _kv_element_bytes(args: EngineArgs, config: ModelConfig) -> int:
+    if args.kv_cache_dtype == "fp8":
+        return 1
+    if args.kv_cache_dtype != "auto":
+        return torch.finfo(getattr(torch, args.kv_cache_dtype)).bits // 8
+    return torch.finfo(config.dtype).bits // 8
+
+
+def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
+                device_total: int | None = None) -> MemoryPlan:
+    """The plan before loading: exact weights from a meta-device build, estimated activations."""
+    with torch.device("meta"):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(config.dtype)
+        try:
+            meta_model = get_model_class(config.architecture)(config)
+        finally:
+            torch.set_default_dtype(previous)
+    from metrale.layers.attention.layer import Attention
+
+    kv_per_token = sum(2 * layer.num_kv_heads * layer.head_dim for layer in meta_model.modules()
+                       if isinstance(layer, Attention)) * _kv_element_bytes(args, config)
+    activation = estimate_activation_bytes(config.hf_config, config.dtype, args.max_num_batched_tokens,
+                                           1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs),
+                                           config.vocab_size)
+    weights = parameter_bytes(meta_model)
+    if device.type == "cuda" or device_total is not None:
+        total = device_total if device_total is not None else torch.cuda.mem_get_info(device)[1]
+        budget = int(total * args.gpu_memory_utilization)
+        overhead = CUDA_RUNTIME_OVERHEAD_BYTES
+        if args.kv_cache_memory is not None:
+            budget = min(budget, weights + activation + overhead + args.kv_cache_memory)
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        overhead = 0
+        budget = weights + activation + (args.kv_cache_memory or CPU_DEFAULT_KV_BYTES)
+    seqs = 1 << 30 if args.max_num_seqs == "auto" else int(args.max_num_seqs)
+    return MemoryPlan(device.type, total, budget, weights, activation, False, kv_per_token, args.block_size,
+                      config.max_model_len, seqs, runtime_overhead_bytes=overhead)
+
+
+def _measure_on_cuda(plan: MemoryPlan, runner: ModelRunner, args: EngineArgs, device: torch.device) -> None:
+    """Replace the estimates with what the loaded model really uses."""
+    rows = 1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs)
+    plan.activation_reserve_bytes = runner.profile_activation_bytes(args.max_num_batched_tokens, rows,
+                                                                    plan.max_model_len)
+    plan.activation_measured = True
+    free, total = torch.cuda.mem_get_info(device)
+    # Everything this process and others hold now, beyond our weights: context, workspaces.
+    plan.runtime_overhead_bytes = max(0, (total - free) - plan.weight_bytes)
+
+
+def build_engine_parts(args: EngineArgs, log: StartupLog) -> EngineParts:
+    device = resolve_device(args.device)
+    model_dir = resolve_model_dir(args.model, args.load_format)
+    log.phase("resolve model", model_dir)
+
+    config = load_model_config(model_dir, args.dtype, device, args.max_model_len, supported_architectures())
+    tokenizer = None
+    if not args.skip_tokenizer_init:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir, trust_remote_code=False)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot load a tokenizer from {args.tokenizer or model_dir!r} ({e}); pass "
+                                 "--tokenizer DIR, or --skip-tokenizer-init to send token ids only") from None
+    log.phase("read config", f"{config.architecture}, {config.dtype}, context {config.max_model_len}, "
+                             f"device {device}")
+
+    plan = plan_memory(args, config, device)
+    fit_kv_blocks(plan, args.num_kv_blocks)  # refuses a model that cannot fit, before allocating
+    log.phase("plan memory", f"weights {plan.weight_bytes / 2**30:.2f} GiB, KV {plan.kv_bytes_per_token} B/token")
+
+    torch.manual_seed(args.seed)
+    model = build_model(config, device, args.load_format, args.seed, show_progress=log.enabled)
+    runner = ModelRunner(model, config, device, args.block_size, args.attention_backend)
+    log.phase("load weights", f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+
+    if device.type == "cuda":
+        _measure_on_cuda(plan, runner, args, device)
+    fit_kv_blocks(plan, args.num_kv_blocks)
+    plan.max_num_seqs = resolve_max_num_seqs(args.max_num_seqs, plan.kv_capacity_tokens, plan.max_model_len)
+    runner.allocate_kv_cache(plan.num_kv_blocks)
+    log.phase("size KV cache", f"{plan.num_kv_blocks} blocks x {args.block_size} tokens "
+                               f"({plan.kv_cache_bytes / 2**20:.0f} MiB), attention backend {runner.backend.name}")
+    if log.enabled:
+        logger.info("%s", plan.table())
+    return EngineParts(config, tokenizer, runner, plan, plan.max_num_seqs)

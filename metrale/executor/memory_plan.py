@@ -1,0 +1,143 @@
+"""The memory plan: what the server will hold on its device, decided before anything is allocated.
+
+    weights            exact, from the parameters of the model built on the meta device
+    activation reserve estimated before loading; on CUDA measured by a profiling forward pass
+                       at the largest step (max_num_batched_tokens) once the weights are in
+    KV cache           what is left of the budget, in whole blocks, at kv_bytes_per_token
+    budget             device total x --gpu-memory-utilization (CUDA), or --kv-cache-memory
+
+If the weights, the reserve and one full-length sequence's KV do not fit in the budget, startup
+stops before allocating anything, with the plan and the flags that would make it fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+MiB = 1 << 20
+GiB = 1 << 30
+CPU_DEFAULT_KV_BYTES = 2 * GiB
+# A CUDA context, cuBLAS workspaces and the NCCL buffers are outside torch's allocator.
+CUDA_RUNTIME_OVERHEAD_BYTES = 768 * MiB
+
+
+class MemoryPlanError(RuntimeError):
+    pass
+
+
+@dataclass
+class MemoryPlan:
+    device: str
+    device_total_bytes: int
+    budget_bytes: int
+    weight_bytes: int
+    activation_reserve_bytes: int
+    activation_measured: bool
+    kv_bytes_per_token: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    num_kv_blocks: int = 0
+    runtime_overhead_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.kv_bytes_per_token * self.block_size
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_kv_blocks * self.kv_bytes_per_block
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    @property
+    def predicted_bytes(self) -> int:
+        return self.weight_bytes + self.activation_reserve_bytes + self.kv_cache_bytes
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(kv_cache_bytes=self.kv_cache_bytes, kv_capacity_tokens=self.kv_capacity_tokens,
+                   predicted_bytes=self.predicted_bytes)
+        return out
+
+    def table(self) -> str:
+        rows = [
+            ("device", f"{self.device}, {self.device_total_bytes / GiB:.1f} GiB"),
+            ("budget", f"{self.budget_bytes / GiB:.2f} GiB"),
+            ("weights", f"{self.weight_bytes / GiB:.2f} GiB"),
+            ("activation reserve", f"{self.activation_reserve_bytes / GiB:.2f} GiB "
+                                   f"({'measured' if self.activation_measured else 'estimated'})"),
+            ("runtime overhead", f"{self.runtime_overhead_bytes / GiB:.2f} GiB"),
+            ("KV bytes per token", f"{self.kv_bytes_per_token:,}"),
+            ("KV cache", f"{self.kv_cache_bytes / GiB:.2f} GiB = {self.num_kv_blocks:,} blocks x {self.block_size} "
+                         f"tokens = {self.kv_capacity_tokens:,} tokens"),
+            ("context length", f"{self.max_model_len:,} tokens"),
+            ("max running sequences", f"{self.max_num_seqs}"),
+        ]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"  {name:<{width}}  {value}" for name, value in rows]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "memory plan\n" + "\n".join(lines)
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def estimate_activation_bytes(hf_config, dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int,
+                              vocab_size: int) -> int:
+    """Peak transient memory of one step, before it can be measured: the widest intermediate
+    (MLP gate+up and its activation, or Q/K/V) for every token, a few hidden-size buffers, and
+    float32 logits with the sampler's working copies for every sampled row."""
+    element = torch.finfo(dtype).bits // 8
+    hidden = hf_config.hidden_size
+    intermediate = max(getattr(hf_config, "intermediate_size", 4 * hidden) or 0,
+                       (getattr(hf_config, "moe_intermediate_size", 0) or 0)
+                       * (getattr(hf_config, "num_experts_per_tok", 1) or 1))
+    per_token = element * (3 * intermediate + 6 * hidden)
+    logits = 4 * 4 * min(max_num_seqs, max_num_batched_tokens) * vocab_size
+    return max_num_batched_tokens * per_token + logits
+
+
+def fit_kv_blocks(plan: MemoryPlan, fixed_blocks: int | None = None) -> MemoryPlan:
+    """Fill the plan's KV cache from what the budget leaves; refuse a plan that cannot hold one
+    full-length sequence."""
+    blocks_per_seq = -(-plan.max_model_len // plan.block_size)
+    if fixed_blocks is not None:
+        plan.num_kv_blocks = fixed_blocks
+        return plan
+    left = plan.budget_bytes - plan.weight_bytes - plan.activation_reserve_bytes - plan.runtime_overhead_bytes
+    blocks = max(0, left // plan.kv_bytes_per_block)
+    if blocks < blocks_per_seq:
+        plan.num_kv_blocks = blocks
+        raise MemoryPlanError(
+            f"the model does not fit: after the weights and the activation reserve, the KV cache gets "
+            f"{blocks * plan.block_size:,} tokens but one full-length sequence needs {plan.max_model_len:,}.\n"
+            f"{plan.table()}\n"
+            "To make it fit: lower --max-model-len, raise --gpu-memory-utilization (or --kv-cache-memory), "
+            "lower --max-num-batched-tokens (smaller activation reserve), use --kv-cache-dtype fp8, "
+            "or split the model with --tp-size.")
+    plan.num_kv_blocks = min(blocks, plan.max_num_seqs * blocks_per_seq)
+    if plan.num_kv_blocks < blocks:
+        plan.notes.append(f"KV cache capped at max_num_seqs x context ({plan.max_num_seqs} x {plan.max_model_len})")
+    return plan
+
+
+def resolve_max_num_seqs(requested: int | str, capacity_tokens: int, max_model_len: int) -> int:
+    """`auto`: as many sequences as the pool holds at a quarter of the context (at most 4096
+    tokens each), between 8 and 1024, a multiple of 8."""
+    if requested != "auto":
+        return int(requested)
+    typical = max(1, min(max_model_len // 4, 4096))
+    seqs = capacity_tokens // typical
+    return max(8, min(1024, seqs // 8 * 8))
