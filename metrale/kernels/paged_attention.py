@@ -218,15 +218,17 @@ def _decode_stage1_kernel(
     split_len = _split_len(seq_len, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    if start >= end:
-        return
-
     h = tl.arange(0, BLOCK_H)
     h_valid = h < GROUP
     head = kvh * GROUP + h
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     io_mask = h_valid[:, None] & d_mask[None, :]
+    if start >= end:
+        if DIRECT:  # only when seq_len == 0 (e.g. a padded batch slot): output zeros
+            o_off = seq.to(tl.int64) * stride_os + head[:, None] * stride_oh + d[None, :]
+            tl.store(out_ptr + o_off, tl.zeros([BLOCK_H, BLOCK_D], out_ptr.dtype.element_ty), mask=io_mask)
+        return
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + head[:, None] * stride_qh + d[None, :],
                 mask=io_mask, other=0.0)
 
@@ -260,16 +262,18 @@ def _decode_stage2_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    n_used = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N))  # non-empty splits, >= 1
+    # non-empty splits; 0 only when seq_len == 0, which yields a zero output below
+    n_used = tl.cdiv(seq_len, tl.maximum(_split_len(seq_len, num_splits, BLOCK_N), 1))
     s = tl.arange(0, BLOCK_S)
     s_valid = s < n_used
     d = tl.arange(0, BLOCK_D)
     p_row = seq.to(tl.int64) * stride_ps + head * stride_ph + s
     lse = tl.load(part_lse_ptr + p_row, mask=s_valid, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # 0 for unused splits
+    lse_max = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(n_used > 0, lse_max, 0.0))  # 0 for unused splits, 1 for the max one
     o = tl.load(part_o_ptr + p_row[:, None] * HEAD_DIM + d[None, :],
                 mask=s_valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1.0)  # sum(w) >= 1 unless no split
     tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
 

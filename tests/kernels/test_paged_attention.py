@@ -112,6 +112,18 @@ def test_decode_more_splits_than_blocks(device):
     check_decode(device, torch.float16, [150, 2], 8, 1, 64, num_kv_splits=16)
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_decode_empty_sequence(device, num_kv_splits):
+    # seq_len 0 (a padded batch slot): zeros, no NaN, no out-of-range reads
+    b = make_batch(device, torch.float16, [1, 1], [0, 40], 4, 2, 64)
+    b["seq_lens"][0] = 0
+    out = decode_attention_triton(b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"], b["scale"],
+                                  num_kv_splits=num_kv_splits)
+    ref = reference.decode_attention(b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"], b["scale"])
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    torch.testing.assert_close(out, ref, rtol=3e-3, atol=3e-3)
+
+
 def test_decode_matches_extend(device):
     b = make_batch(device, torch.float16, [1, 1, 1], [9, 64, 130], 8, 2, 64)
     dec = decode_attention_triton(b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"], b["scale"],
