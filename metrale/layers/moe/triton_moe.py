@@ -60,7 +60,9 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ids_ptr, block_
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # grid: (num_tiles * cdiv(N, BLOCK_N),); C[a, n] = sum_k A[a // a_row_divisor, k] * B[e, n, k].
     pid = tl.program_id(0)
-    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    # Builtins only (no tl.cdiv / tl.zeros, which are @jit helpers of triton.language): those break
+    # under the interpreter when triton was imported before TRITON_INTERPRET was set.
+    num_n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     pid_m, pid_n = pid // num_n_tiles, pid % num_n_tiles
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -74,8 +76,8 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ids_ptr, block_
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k0 in range(0, (K + BLOCK_K - 1) // BLOCK_K):
         k_mask = offs_k < K - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
