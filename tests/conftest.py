@@ -1,8 +1,14 @@
 import os
 import sys
 
-import pytest
 import torch
+
+# Triton kernels run under its CPU interpreter when there is no GPU. The variable is read when a
+# kernel is decorated, so it is set here, before any test module imports metrale.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

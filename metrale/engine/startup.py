@@ -157,6 +157,8 @@ def build_engine_parts(args: EngineArgs, log: StartupLog) -> EngineParts:
     fit_kv_blocks(plan, args.num_kv_blocks)
     plan.max_num_seqs = resolve_max_num_seqs(args.max_num_seqs, plan.kv_capacity_tokens, plan.max_model_len)
     runner.allocate_kv_cache(plan.num_kv_blocks)
+    if not args.enforce_eager:
+        runner.capture_cuda_graphs(plan.max_num_seqs, plan.max_model_len)
     log.phase("size KV cache", f"{plan.num_kv_blocks} blocks x {args.block_size} tokens "
                                f"({plan.kv_cache_bytes / 2**20:.0f} MiB), attention backend {runner.backend.name}")
     if log.enabled:

@@ -52,6 +52,30 @@ def _memory_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import os
+
+    from metrale.bench import latency, throughput
+    from metrale.engine.startup import resolve_model_dir
+    from metrale.entrypoints.llm import LLM
+
+    if args.bench == "serve":
+        from metrale.bench import serve
+
+        serve.run(args)
+        return 0
+    engine_args = EngineArgs.from_cli_args(args)
+    model_dir = resolve_model_dir(engine_args.model, engine_args.load_format)
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        engine_args.skip_tokenizer_init = True  # benchmarks send token ids; a config-only model has no tokenizer
+
+    def llm_factory():
+        return LLM(**vars(engine_args))
+
+    {"latency": latency, "throughput": throughput}[args.bench].run(args, llm_factory)
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from metrale.entrypoints.server.app import run_server
 
@@ -75,6 +99,24 @@ def build_parser() -> argparse.ArgumentParser:
                      help="plan for a GPU of this size (default: this machine's device)")
     EngineArgs.add_cli_args(mem)
     mem.set_defaults(handler=_memory_plan)
+
+    bench = sub.add_parser("bench", help="benchmarks, each beside the hardware floor of its run")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from metrale.bench import latency, throughput
+
+    for name, module in (("latency", latency), ("throughput", throughput)):
+        p = bench_sub.add_parser(name, help=module.__doc__.splitlines()[0])
+        module.add_args(p)
+        EngineArgs.add_cli_args(p)
+        p.set_defaults(handler=_bench)
+    try:
+        from metrale.bench import serve as serve_bench
+
+        p = bench_sub.add_parser("serve", help=serve_bench.__doc__.splitlines()[0])
+        serve_bench.add_args(p)
+        p.set_defaults(handler=_bench)
+    except ImportError:
+        pass
 
     try:
         from metrale.entrypoints.server.args import add_serve_args

@@ -53,6 +53,16 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequest] = {}
         self.kv_caches: list[torch.Tensor] = []  # per layer: [2, num_blocks, block_size, kv_heads, head_dim]
         self._pin = device.type == "cuda"
+        self.graphs = None  # DecodeGraphs, once captured
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        from metrale.executor.cuda_graphs import DecodeGraphs
+
+        if self.device.type != "cuda" or not self.backend.supports_cuda_graphs:
+            return
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.backend, self.device, max_num_seqs, max_blocks, max_model_len)
+        self.graphs.capture()
 
     # -- the KV cache --------------------------------------------------------------------------
 
@@ -181,11 +191,16 @@ class ModelRunner:
         if plan.is_empty:
             return ModelRunnerOutput()
         batch = self.prepare_inputs(plan)
-        with set_forward_context(ForwardContext(batch.metadata, self.backend)):
-            hidden = self.model(batch.input_ids, batch.positions)
-        if not batch.sampled_request_ids:
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        num_tokens = batch.input_ids.shape[0]
+        if (self.graphs is not None and batch.metadata.is_pure_decode
+                and len(batch.sampled_request_ids) == num_tokens and self.graphs.can_run(num_tokens)):
+            logits = self.graphs.run(batch.input_ids, batch.positions, batch.metadata)
+        else:
+            with set_forward_context(ForwardContext(batch.metadata, self.backend)):
+                hidden = self.model(batch.input_ids, batch.positions)
+            if not batch.sampled_request_ids:
+                return ModelRunnerOutput()
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
         rows = []
         for request_id in batch.sampled_request_ids:
             state = self.requests[request_id]

@@ -14,6 +14,7 @@ import torch
 
 from metrale.engine.sampling_params import SamplingParams
 from metrale.engine.scheduler_output import TokenLogprobs
+from metrale.kernels import use_triton
 
 _MASK64 = (1 << 64) - 1
 
@@ -90,6 +91,25 @@ def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
+def _sample_on_gpu(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The fused Triton sampler: filters and a counter-based draw per row, no host sync.
+    Its random streams differ from the CPU path's; each is deterministic and batch-invariant."""
+    from metrale.kernels.sampling import sample_tokens_triton
+
+    def column(values, dtype):
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(logits.device, non_blocking=True)
+
+    vocab = logits.shape[1]
+    return sample_tokens_triton(
+        logits.contiguous(),
+        column([r.params.temperature for r in rows], torch.float32),
+        column([r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows], torch.int64),
+        column([r.params.top_p for r in rows], torch.float32),
+        column([r.params.min_p for r in rows], torch.float32),
+        column([r.seed & 0x7FFFFFFFFFFFFFFF for r in rows], torch.int64),
+        column([len(r.output_token_ids) for r in rows], torch.int64))
+
+
 def _logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> list[tuple]:
     chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
     ranks = (raw_logprobs > chosen[:, None]).sum(dim=-1) + 1
@@ -108,8 +128,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     if any(r.params.has_penalties or r.params.min_tokens for r in rows):
         logits = logits.clone()
         _apply_penalties(logits, rows)
-    tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows and use_triton(logits):
+        tokens = _sample_on_gpu(logits, rows)
+        random_rows = []
+    else:
+        tokens = logits.argmax(dim=-1)
     if random_rows:
         subset = [rows[i] for i in random_rows]
         index = torch.tensor(random_rows, device=logits.device)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from metrale.kernels import use_triton
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -23,6 +25,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With it: (norm(x + residual), x + residual)."""
+        if use_triton(x):
+            from metrale.kernels.rms_norm import fused_add_rms_norm_triton, rms_norm_triton
+
+            if residual is None:
+                return rms_norm_triton(x, self.weight, self.eps)
+            return fused_add_rms_norm_triton(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from metrale.kernels import use_triton
+
 
 def rope_parameters(hf_config) -> dict:
     """{rope_theta, rope_type, ...} from a transformers v5 (`rope_parameters`) or v4 config."""
@@ -64,7 +66,12 @@ class RotaryEmbedding(nn.Module):
                              persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]; returns rotated copies."""
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. Returns them rotated:
+        in place on CUDA (the fused kernel), as new tensors elsewhere."""
+        if use_triton(q):
+            from metrale.kernels.rotary import apply_rotary_triton
+
+            return apply_rotary_triton(positions, q, k, self.cos_sin_cache, self.rotary_dim, self.is_neox_style)
         cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
         rotate = _rotate_neox if self.is_neox_style else _rotate_gptj
         return self._apply(q, cos, sin, rotate), self._apply(k, cos, sin, rotate)

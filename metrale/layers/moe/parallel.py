@@ -8,7 +8,9 @@ all-reduce of the layer's partial output over that group:
 - expert parallel: rank r holds the whole of a contiguous range of experts
   [r * E // size, (r + 1) * E // size); tokens routed elsewhere contribute zero locally.
 
-A single process is rank 0 of 1 in both, so models never branch on the layout.
+Both can combine (an orthogonal tp x ep mesh). The launcher sets the layout once
+(`init_moe_layout`, from `layout_for_topology`); until then it follows the TP group. A single
+process is rank 0 of 1 either way, so models never branch on the layout.
 """
 
 from __future__ import annotations
@@ -46,10 +48,44 @@ class MoEParallelLayout:
         return self.tp_rank * local, (self.tp_rank + 1) * local
 
 
-def get_moe_layout(expert_parallel: bool = False) -> MoEParallelLayout:
-    """This process's MoE layout from the tensor-parallel group: the group's ranks either slice
-    every expert (default) or own disjoint ranges of whole experts (`expert_parallel`)."""
+_LAYOUT: MoEParallelLayout | None = None
+
+
+def get_moe_layout() -> MoEParallelLayout:
+    """The layout set at startup (`init_moe_layout`), else every expert sliced over the TP group
+    (which, for a single process, is the whole layer on rank 0 of 1)."""
+    if _LAYOUT is not None:
+        return _LAYOUT
     tp = get_tp_group()
-    if expert_parallel:
-        return MoEParallelLayout(ep_rank=tp.rank, ep_size=tp.size, reduce_group=tp)
     return MoEParallelLayout(tp_rank=tp.rank, tp_size=tp.size, reduce_group=tp)
+
+
+def init_moe_layout(layout: MoEParallelLayout | None) -> None:
+    """Set once by the launcher before the model is built; None goes back to the default."""
+    global _LAYOUT
+    _LAYOUT = layout
+
+
+def layout_for_topology(tp_rank: int, tp_size: int, ep_rank: int, ep_size: int, expert_layout: str = "ep",
+                        reduce_group: TensorParallelGroup | None = None) -> MoEParallelLayout:
+    """The MoE layout of one rank of a serve topology (EngineArgs tp_size, ep_size, moe_expert_layout).
+
+    - overlapping groups (tp == ep == world > 1), layout "ep": rank r owns expert range r, whole;
+    - any topology, layout "tp" (needs ep_size 1 or overlapping groups): every expert on every
+      rank, its intermediate dimension sliced over the TP ranks;
+    - orthogonal mesh (world = tp x ep), layout "ep": the EP rank picks the expert range and the
+      TP rank slices inside it.
+    `reduce_group` must span every rank whose partial output belongs to the sum: the TP group for
+    overlapping groups, the whole world for a mesh. Tokens must be the same on all of them."""
+    group = reduce_group or get_tp_group()
+    overlapping = tp_size == ep_size > 1
+    if expert_layout == "tp":
+        if ep_size > 1 and not overlapping:
+            raise ValueError(f"MoE expert layout tp needs ep_size 1 or ep_size == tp_size; got tp {tp_size}, "
+                             f"ep {ep_size}. Use the ep layout.")
+        return MoEParallelLayout(tp_rank=tp_rank, tp_size=tp_size, reduce_group=group)
+    if expert_layout != "ep":
+        raise ValueError(f"unknown MoE expert layout {expert_layout!r}; expected ep or tp")
+    if overlapping:
+        return MoEParallelLayout(ep_rank=ep_rank, ep_size=ep_size, reduce_group=group)
+    return MoEParallelLayout(tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank, ep_size=ep_size, reduce_group=group)

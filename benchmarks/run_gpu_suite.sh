@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole GPU suite in one job: GPU tests, then the benchmarks of docs/benchmarks.md with their
+# transformers comparisons, then a markdown table. Run from the repository root on a CUDA machine:
+#     OUT=/tmp/out bash benchmarks/run_gpu_suite.sh [quick]
+# Writes $OUT/gpu_tests.log, $OUT/*.json, $OUT/summary.md.
+set -uo pipefail
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/met-gpu-suite}"
+mkdir -p "$OUT"
+QUICK="${1:-}"
+met() { python3 -m metrale.entrypoints.cli "$@"; }
+
+python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))'
+git rev-parse --short HEAD 2>/dev/null > "$OUT/commit.txt" || echo unknown > "$OUT/commit.txt"
+
+if [ "$QUICK" != "bench-only" ]; then
+  python3 -m pytest -q -x tests/gpu tests/kernels -m gpu -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+fi
+
+met bench latency --model Qwen3-8B --load-format dummy --batch-size 1 --input-len 512 --output-len 128 \
+    --max-model-len 4096 --max-num-seqs 8 --output-json "$OUT/latency_qwen3_8b.json" 2>&1 | tail -6
+met bench throughput --model Qwen3-0.6B --load-format dummy --num-prompts 256 --input-len-range 100 1024 \
+    --output-len-range 100 1024 --max-model-len 4096 --max-num-seqs 256 \
+    --output-json "$OUT/throughput_qwen3_0_6b.json" 2>&1 | tail -6
+if [ "$QUICK" != "quick" ]; then
+  python3 benchmarks/hf_baseline.py latency --model Qwen3-8B --input-len 512 --output-len 128 \
+      --output-json "$OUT/hf_latency_qwen3_8b.json" 2>&1 | tail -8
+  python3 benchmarks/hf_baseline.py throughput --model Qwen3-0.6B --num-prompts 64 --max-new-tokens 256 \
+      --output-json "$OUT/hf_throughput_qwen3_0_6b.json" 2>&1 | tail -8
+fi
+python3 benchmarks/summarize.py "$OUT" | tee "$OUT/summary.md"

@@ -1,0 +1,80 @@
+"""`met bench latency`: time to first token and per-token decode latency of one batch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from metrale.bench.hardware import decode_floor, measure, prefill_floor
+from metrale.bench.workload import weights_read_per_step
+from metrale.engine.sampling_params import SamplingParams
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-iters", type=int, default=3)
+    parser.add_argument("--num-iters-warmup", type=int, default=1)
+    parser.add_argument("--output-json", default=None)
+
+
+def _one_batch(engine, prompts, output_len, tag) -> tuple[float, list[float]]:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
+    token_times: list[float] = []
+    while engine.has_unfinished_requests():
+        if engine.step():
+            token_times.append(time.perf_counter() - start)
+    return token_times[0], token_times
+
+
+def run(args: argparse.Namespace, llm_factory) -> dict:
+    llm = llm_factory()
+    engine = llm.llm_engine
+    rates = measure(engine.device)
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+
+    def batch():
+        return [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.batch_size)]
+
+    for i in range(args.num_iters_warmup):
+        _one_batch(engine, batch(), args.output_len, f"warmup{i}")
+    ttfts, tpots = [], []
+    for i in range(args.num_iters):
+        ttft, times = _one_batch(engine, batch(), args.output_len, f"iter{i}")
+        ttfts.append(ttft)
+        tpots.append((times[-1] - times[0]) / max(1, len(times) - 1))
+    model = engine.runner.model
+    step_bytes, step_params = weights_read_per_step(model, args.batch_size)
+    kv = engine.memory_plan.kv_bytes_per_token
+    decode_steps = [[args.input_len + t] * args.batch_size for t in range(1, args.output_len)]
+    decode = decode_floor(step_bytes, step_params, kv, decode_steps, rates)
+    prefill = prefill_floor(step_bytes, step_params, [args.input_len] * args.batch_size, rates)
+    tpot = statistics.median(tpots)
+    ttft = statistics.median(ttfts)
+    floor_tpot = decode.seconds / len(decode_steps)
+    result = {
+        "benchmark": "latency", "batch_size": args.batch_size, "input_len": args.input_len,
+        "output_len": args.output_len, "device": rates.device,
+        "ttft_s": ttft, "tpot_s": tpot, "floor_ttft_s": prefill.seconds, "floor_tpot_s": floor_tpot,
+        "tpot_floor_ratio": floor_tpot / tpot, "decode_bound": decode.bound,
+        "bandwidth_tb_s": rates.bandwidth_bytes_per_s / 1e12, "matmul_tflops": rates.matmul_flops_per_s / 1e12,
+        "weight_bytes_per_step": step_bytes,
+    }
+    print(rates.describe())
+    print(f"batch {args.batch_size}, input {args.input_len}, output {args.output_len}:")
+    print(f"  time to first token   {ttft * 1e3:9.2f} ms   (floor {prefill.seconds * 1e3:.2f} ms, {prefill.bound}-bound)")
+    print(f"  decode per token      {tpot * 1e3:9.3f} ms   (floor {floor_tpot * 1e3:.3f} ms: "
+          f"{step_bytes / 1e9:.2f} GB weights + KV per step over the measured bandwidth)")
+    print(f"  achieved / floor      {floor_tpot / tpot:9.1%}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result

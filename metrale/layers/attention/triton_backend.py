@@ -1,0 +1,35 @@
+"""The Triton attention backend: the fast path on CUDA.
+
+Pure decode steps (one query token per sequence) take split-KV flash decoding, whose split
+count depends only on the block table's width, so it replays inside CUDA graphs; every other
+step takes the extend kernel (prefill chunks and decodes mixed, causal over the paged prefix).
+Tested against the PyTorch backend (tests/kernels, tests/gpu).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.executor.forward_context import AttentionMetadata
+from metrale.kernels import HAS_TRITON
+from metrale.kernels.kv_cache_write import write_kv_cache_triton
+from metrale.kernels.paged_attention import decode_attention_triton, extend_attention_triton
+from metrale.layers.attention.backend import AttentionBackend, register_backend
+
+if not HAS_TRITON:
+    raise ImportError("triton is not installed")
+
+
+@register_backend
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q: torch.Tensor, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        if metadata.is_pure_decode:
+            return decode_attention_triton(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale)
+        return extend_attention_triton(q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
+                                       metadata.seq_lens, metadata.max_query_len, scale)
