@@ -12,7 +12,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is decorated
 
 from metrale.kernels import triton_available  # noqa: E402
-from metrale.layers.moe import FusedMoE, MoEParallelLayout, fused_experts_reference, select_experts  # noqa: E402
+from metrale.layers.moe import (FusedMoE, MoEParallelLayout, fused_experts_reference,  # noqa: E402
+                                layout_for_topology, select_experts)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E, H, I = 8, 32, 48
@@ -114,6 +115,24 @@ def test_split_parts_sum_to_the_full_layer(tp_size, ep_size):
             total += part(x, logits)
     assert sorted(ranges)[0][0] == 0 and sorted(ranges)[-1][1] == E  # contiguous ranges cover all experts
     torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-5)
+
+
+def test_layouts_of_serve_topologies():
+    # Overlapping groups (tp == ep == world): whole experts, one range per rank.
+    layout = layout_for_topology(1, 2, 1, 2, "ep")
+    assert (layout.tp_size, layout.expert_range(8)) == (1, (4, 8))
+    # Layout tp: every expert on every rank, the intermediate dimension sliced.
+    layout = layout_for_topology(1, 2, 1, 2, "tp")
+    assert (layout.expert_range(8), layout.intermediate_slice(48)) == ((0, 8), (24, 48))
+    # Orthogonal mesh (world = tp x ep): the EP rank picks the range, the TP rank slices it.
+    layout = layout_for_topology(1, 2, 0, 4, "ep")
+    assert (layout.expert_range(8), layout.intermediate_slice(48)) == ((0, 2), (24, 48))
+    with pytest.raises(ValueError, match="ep_size 1 or ep_size == tp_size"):
+        layout_for_topology(0, 2, 0, 4, "tp")
+    with pytest.raises(ValueError, match="not divisible"):
+        FusedMoE(E, 2, H, 49, layout=layout)
+    with pytest.raises(ValueError, match="cannot be split"):
+        FusedMoE(2, 2, H, I, layout=layout)
 
 
 def test_stacked_checkpoint_layout_loads_like_per_expert_tensors():

@@ -5,4 +5,5 @@ from metrale.layers.moe.parallel import MoEParallelLayout, get_moe_layout, init_
 from metrale.layers.moe.reference import fused_experts_reference
 from metrale.layers.moe.routing import select_experts
 
-__all__ = ["FusedMoE", "MoEParallelLayout", "get_moe_layout", "init_moe_layout", "layout_for_topology", "fused_experts_reference", "select_experts"]
+__all__ = ["FusedMoE", "MoEParallelLayout", "fused_experts_reference", "get_moe_layout", "init_moe_layout",
+           "layout_for_topology", "select_experts"]

@@ -1,7 +1,7 @@
 """Where this rank's experts and intermediate slice come from, for the FusedMoE layer.
 
-Two ways to split a MoE layer over the ranks of the tensor-parallel group, both ending in one
-all-reduce of the layer's partial output over that group:
+Two ways to split a MoE layer over ranks that all see the same tokens, both ending in one
+all-reduce of the layer's partial output over the layout's `reduce_group`:
 
 - tensor parallel (the default): every rank holds every expert, each with a contiguous
   1/tp_size slice of the intermediate dimension (rows of w1/w3, columns of w2);
