@@ -33,7 +33,9 @@ def align_assignments(topk_ids: torch.Tensor, block_m: int, num_local_experts: i
     local = topk_ids.flatten().long() - expert_start
     num_assign = local.numel()
     key = torch.where((local >= 0) & (local < num_experts), local, num_experts)  # foreign experts sort last
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    # scatter_add, not bincount: CUDA bincount reads the max on the host, which a graph cannot capture.
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(
+        0, key, torch.ones_like(key))[:num_experts]
     padded_counts = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded_counts, 0)
     unpadded_start = torch.cumsum(counts, 0) - counts
