@@ -113,7 +113,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = exc.status_code if 400 <= exc.status_code < 600 else 400
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
-        if status == 404:
+        if message == "There was an error parsing the body":  # FastAPI's words for a body json.loads refused
+            message = "the request body could not be read: send UTF-8 encoded JSON"
+        elif status == 404:
             message = f"no route {request.url.path}"
         elif status == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"

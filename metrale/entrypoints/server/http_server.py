@@ -38,15 +38,24 @@ ABORT_FLUSH_SECONDS = 1.0
 
 
 class _HintKeepingConnection:
-    """An h11.Connection that remembers the status hint of the last protocol error."""
+    """An h11.Connection that remembers the status hint of the last protocol error.
 
-    def __init__(self, conn: h11.Connection):
+    h11 measures only an incomplete head against its limit, so a large head that arrives in one
+    read would pass; a complete head is measured here as well."""
+
+    def __init__(self, conn: h11.Connection, max_head_bytes: int):
         self._conn = conn
+        self.max_head_bytes = max_head_bytes
         self.error_status = 400
 
     def next_event(self):
         try:
-            return self._conn.next_event()
+            event = self._conn.next_event()
+            if isinstance(event, h11.Request):
+                size = len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
+                if size > self.max_head_bytes:
+                    raise h11.RemoteProtocolError("request head too large", error_status_hint=431)
+            return event
         except h11.RemoteProtocolError as e:
             self.error_status = e.error_status_hint if e.error_status_hint == 431 else 400
             raise
@@ -58,7 +67,7 @@ class _HintKeepingConnection:
 class LimitedH11Protocol(H11Protocol):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.conn = _HintKeepingConnection(self.conn)
+        self.conn = _HintKeepingConnection(self.conn, self.config.h11_max_incomplete_event_size)
 
     def send_400_response(self, msg: str) -> None:
         status = self.conn.error_status
@@ -68,9 +77,11 @@ class LimitedH11Protocol(H11Protocol):
             message = "invalid HTTP request"
         body = json_bytes(error_body(status, message, None, "request_header_fields_too_large"
                                      if status == 431 else "invalid_http_request"))
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        reason = b"Request Header Fields Too Large" if status == 431 else b"Bad Request"
         conn = self.conn._conn
-        self.transport.write(conn.send(h11.Response(status_code=status, headers=headers)))
+        self.transport.write(conn.send(h11.Response(status_code=status, headers=headers, reason=reason)))
         self.transport.write(conn.send(h11.Data(data=body)))
         self.transport.write(conn.send(h11.EndOfMessage()))
         self.transport.close()
