@@ -215,14 +215,30 @@ class AsyncEngine:
         Raises what LLMEngine.add_request raises (InvalidRequestError, ...), EngineOverloadedError
         when the waiting queue is full, EngineNotReadyError or EngineDeadError.
         """
-        stream = self._open(request_id, params.n)
-        self._submit(_Add(request_id, prompt, params, time.monotonic()))
+        return (await self.add_requests([(request_id, prompt, params)]))[0]
+
+    async def add_requests(self, requests: list[tuple[str, object, SamplingParams]]) -> list[RequestStream]:
+        """Several requests, all or none: they reach the engine together, and if one is refused
+        (or the caller is cancelled) the others are aborted."""
+        streams: list[RequestStream] = []
         try:
-            await stream._accepted
+            if not self.would_admit(sum(params.n for _, _, params in requests)):
+                raise self._overloaded()
+            for request_id, _, params in requests:
+                streams.append(self._open(request_id, params.n))
+            now = time.monotonic()
+            self._submit(*(_Add(request_id, prompt, params, now) for request_id, prompt, params in requests))
+            accepted = [stream._accepted for stream in streams]
+            await asyncio.wait(accepted)
+            errors = [future.exception() for future in accepted]  # retrieve all: no "never retrieved" noise
+            first_error = next((e for e in errors if e is not None), None)
+            if first_error is not None:
+                raise first_error
         except BaseException:
-            stream.abort()  # cancelled while waiting: the add may still go through
+            for stream in streams:
+                stream.abort()  # a no-op for the refused ones; cancels the accepted ones
             raise
-        return stream
+        return streams
 
     async def generate(self, request_id: str, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes; stopping early aborts it."""
@@ -256,13 +272,15 @@ class AsyncEngine:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not self.would_admit(num_seqs):
-            raise EngineOverloadedError(
-                f"the server is at capacity ({self.max_num_seqs} running, {self.max_waiting} waiting); "
-                f"retry later")
+            raise self._overloaded()
         stream = RequestStream(request_id, num_seqs, self)
         self._streams[request_id] = stream
         self._num_seqs_in_flight += num_seqs
         return stream
+
+    def _overloaded(self) -> EngineOverloadedError:
+        return EngineOverloadedError(f"the server is at capacity ({self.max_num_seqs} running, "
+                                     f"{self.max_waiting} waiting); retry later")
 
     def _forget(self, stream: RequestStream, abort: bool) -> None:
         if self._streams.get(stream.request_id) is stream:
@@ -271,9 +289,9 @@ class AsyncEngine:
         if abort:
             self._submit(_Abort(stream.request_id))
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, *commands: _Add | _Abort) -> None:
         with self._cond:
-            self._inbox.append(command)
+            self._inbox.extend(commands)
             self._cond.notify()
 
     def _deliver(self, accepted: list[tuple[str, object]], outputs: list[RequestOutput]) -> None:

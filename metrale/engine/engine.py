@@ -130,7 +130,8 @@ class LLMEngine:
                 self._finish(request, touched)
             else:
                 touched.append(self.outputs.parent_of(request.request_id))
-        return [self._output(parent_id) for parent_id in dict.fromkeys(touched)]
+        outputs = (self._output(parent_id) for parent_id in dict.fromkeys(touched))
+        return [out for out in outputs if out is not None]
 
     def _finish(self, request: Request, touched: list[str]) -> None:
         parent_id = self.outputs.parent_of(request.request_id)
@@ -139,8 +140,8 @@ class LLMEngine:
         self.outputs.finish(request, request.status.value, request.stop_reason)
         touched.append(parent_id)
 
-    def _output(self, parent_id: str) -> RequestOutput:
+    def _output(self, parent_id: str) -> RequestOutput | None:
         out = self.outputs.output_of(parent_id)
-        if out.finished:
+        if out is not None and out.finished:
             self._children.pop(parent_id, None)
         return out

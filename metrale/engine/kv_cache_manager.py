@@ -161,8 +161,10 @@ class KVCacheManager:
 
         Returns the newly added block ids, or None (and changes nothing) when the pool is short.
         """
-        prefix_blocks = prefix_blocks or []
         table = self.block_tables.get(request_id, [])
+        if not prefix_blocks and num_total_tokens <= len(table) * self.block_size:
+            return []  # the common decode step: the last block still has room
+        prefix_blocks = prefix_blocks or []
         missing = self.blocks_needed(num_total_tokens) - len(table) - len(prefix_blocks)
         # Hit blocks that are free now stop being free once referenced.
         reclaimed = sum(1 for b in prefix_blocks if self.pool.ref_count(b) == 0)

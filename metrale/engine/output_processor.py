@@ -54,6 +54,7 @@ class ParentState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     error: str | None = None
+    final_only: bool = False
 
     @property
     def finished(self) -> bool:
@@ -80,7 +81,8 @@ class OutputProcessor:
                      if self.tokenizer is not None else None)
             sequences.append(SequenceState(index, detok, list(p.stop), p.include_stop_str_in_output,
                                            p.logprobs is not None))
-        parent = ParentState(request_id, prompt, children[0].prompt_token_ids, sequences, time.monotonic())
+        parent = ParentState(request_id, prompt, children[0].prompt_token_ids, sequences, time.monotonic(),
+                             final_only=children[0].sampling_params.output_kind == "final_only")
         self.parents[request_id] = parent
         for child, seq in zip(children, sequences):
             self.child_to_parent[child.request_id] = (parent, seq)
@@ -126,8 +128,11 @@ class OutputProcessor:
         if request.error:
             parent.error = request.error
 
-    def output_of(self, parent_id: str) -> RequestOutput:
+    def output_of(self, parent_id: str) -> RequestOutput | None:
+        """The parent's output now, or None while a final-only request runs."""
         parent = self.parents[parent_id]
+        if parent.final_only and not parent.finished:
+            return None
         out = parent.output()
         if parent.finished:
             del self.parents[parent_id]

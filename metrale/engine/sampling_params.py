@@ -60,6 +60,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # "cumulative": an output after every step, text and ids so far; "final_only": one output,
+    # when the request ends (the offline API: nothing is built per step).
+    output_kind: str = "cumulative"
     # Filled by the engine, not the user: the tokenizer's end-of-sequence ids.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -102,6 +105,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value!r}")
+        _check(self.output_kind in ("cumulative", "final_only"), "output_kind",
+               f"output_kind must be 'cumulative' or 'final_only', got {self.output_kind!r}")
         _check(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
 

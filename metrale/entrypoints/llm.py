@@ -44,7 +44,7 @@ class LLM:
         try:
             for prompt, params in zip(prompts, sampling_params):
                 request_id = str(next(self._ids))
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params.clone(output_kind="final_only"))
                 ids.append(request_id)
         except Exception:
             for request_id in ids:

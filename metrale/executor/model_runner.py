@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from metrale.config.model_config import ModelConfig
@@ -117,7 +118,7 @@ class ModelRunner:
         rows = min(num_sampled, hidden.shape[0])
         logits = self.model.compute_logits(hidden[:rows])
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
-        sample(logits, [SamplingRow(params, i, [1], []) for i in range(rows)])
+        sample(logits, [SamplingRow(params, i, [1], 1) for i in range(rows)])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del hidden, logits, batch
@@ -146,42 +147,46 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _tensor(self, values, dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype, pin_memory=self._pin)
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(array)
+        if self._pin:
+            t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
     def prepare_inputs(self, plan: SchedulerOutput) -> BatchInputs:
         bs = self.block_size
-        input_ids, positions, slots = [], [], []
-        query_lens, seq_lens, tables, logits_indices, sampled = [], [], [], [], []
-        for request_id, num_tokens in plan.num_scheduled_tokens.items():
-            state = self.requests[request_id]
-            start = state.num_computed_tokens
-            end = start + num_tokens
-            input_ids.extend(state.token_ids[start:end])
-            positions.extend(range(start, end))
-            blocks = state.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(num_tokens)
-            seq_lens.append(end)
-            tables.append(blocks)
-            if end == len(state.token_ids):
-                logits_indices.append(len(input_ids) - 1)
-                sampled.append(request_id)
-        width = max(len(t) for t in tables)
-        padded_tables = [t + [0] * (width - len(t)) for t in tables]
-        query_start = [0]
-        for q in query_lens:
-            query_start.append(query_start[-1] + q)
+        scheduled = [(rid, self.requests[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
+        num_seqs = len(scheduled)
+        query_lens = np.fromiter((n for _, _, n in scheduled), dtype=np.int64, count=num_seqs)
+        starts = np.fromiter((st.num_computed_tokens for _, st, _ in scheduled), dtype=np.int64, count=num_seqs)
+        seq_lens = starts + query_lens
+        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        width = max(len(st.block_ids) for _, st, _ in scheduled)
+        tables = np.zeros((num_seqs, width), dtype=np.int32)
+        for i, (_, st, _) in enumerate(scheduled):
+            tables[i, :len(st.block_ids)] = st.block_ids
+        if int(query_lens.max()) == 1:  # pure decode: one token each, no per-request slicing
+            input_ids = np.fromiter((st.token_ids[st.num_computed_tokens] for _, st, _ in scheduled),
+                                    dtype=np.int64, count=num_seqs)
+            positions = starts
+            seq_index = np.arange(num_seqs)
+        else:
+            input_ids = np.concatenate([st.token_ids[st.num_computed_tokens:st.num_computed_tokens + n]
+                                        for _, st, n in scheduled]).astype(np.int64, copy=False)
+            seq_index = np.repeat(np.arange(num_seqs), query_lens)
+            positions = starts[seq_index] + (np.arange(len(input_ids)) - query_start[:-1][seq_index])
+        slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        sampled_rows = [i for i, (_, st, _) in enumerate(scheduled) if seq_lens[i] == len(st.token_ids)]
         metadata = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor(padded_tables, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            query_start_loc=self._tensor(query_start, torch.int32),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            seq_lens_cpu=seq_lens, query_lens_cpu=query_lens)
-        return BatchInputs(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),
-                           metadata, self._tensor(logits_indices, torch.int64), sampled)
+            slot_mapping=self._to_device(slots), block_tables=self._to_device(tables),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            query_start_loc=self._to_device(query_start.astype(np.int32)),
+            max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
+            seq_lens_cpu=seq_lens.tolist(), query_lens_cpu=query_lens.tolist())
+        logits_indices = query_start[1:][sampled_rows] - 1
+        return BatchInputs(self._to_device(input_ids), self._to_device(positions), metadata,
+                           self._to_device(logits_indices), [scheduled[i][0] for i in sampled_rows])
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
@@ -204,8 +209,7 @@ class ModelRunner:
         rows = []
         for request_id in batch.sampled_request_ids:
             state = self.requests[request_id]
-            rows.append(SamplingRow(state.sampling_params, state.seed, state.token_ids[:state.num_prompt_tokens],
-                                    state.token_ids[state.num_prompt_tokens:]))
+            rows.append(SamplingRow(state.sampling_params, state.seed, state.token_ids, state.num_prompt_tokens))
         tokens, logprobs = sample(logits, rows)
         out = ModelRunnerOutput()
         for request_id, token, lp in zip(batch.sampled_request_ids, tokens, logprobs):

@@ -29,16 +29,27 @@ def stream_seed(seed: int, index: int) -> int:
 
 @dataclass
 class SamplingRow:
+    """One request to sample for. `token_ids` is the request's whole sequence (prompt, then
+    outputs), shared with the runner, never copied on the hot path."""
+
     params: SamplingParams
     seed: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, row in enumerate(rows):
         p = row.params
-        if p.min_tokens and len(row.output_token_ids) < p.min_tokens:
+        if p.min_tokens and row.num_output_tokens < p.min_tokens:
             banned = list(set(p.stop_token_ids) | (set() if p.ignore_eos else set(p.eos_token_ids)))
             if banned:
                 logits[i, banned] = float("-inf")
@@ -46,11 +57,11 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             continue
         vocab = logits.shape[1]
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted({t for t in row.prompt_token_ids + row.output_token_ids if t < vocab}),
+            seen = torch.tensor(sorted({t for t in row.token_ids if t < vocab}),
                                 dtype=torch.long, device=logits.device)
             values = logits[i, seen]
             logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        if row.output_token_ids and (p.frequency_penalty or p.presence_penalty):
+        if row.num_output_tokens and (p.frequency_penalty or p.presence_penalty):
             counts = torch.bincount(torch.tensor(row.output_token_ids, device=logits.device), minlength=vocab)[:vocab]
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
@@ -86,7 +97,7 @@ def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     noise = torch.empty_like(probs)
     for i, row in enumerate(rows):
         generator = torch.Generator(device=logits.device)
-        generator.manual_seed(stream_seed(row.seed, len(row.output_token_ids)))
+        generator.manual_seed(stream_seed(row.seed, row.num_output_tokens))
         noise[i].exponential_(generator=generator)
     return (probs / noise).argmax(dim=-1)
 
@@ -107,7 +118,7 @@ def _sample_on_gpu(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         column([r.params.top_p for r in rows], torch.float32),
         column([r.params.min_p for r in rows], torch.float32),
         column([r.seed & 0x7FFFFFFFFFFFFFFF for r in rows], torch.int64),
-        column([len(r.output_token_ids) for r in rows], torch.int64))
+        column([r.num_output_tokens for r in rows], torch.int64))
 
 
 def _logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> list[tuple]:

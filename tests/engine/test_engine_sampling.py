@@ -72,7 +72,7 @@ def test_top_k_one_is_greedy(llm):
 
 
 def _row(**kw):
-    return SamplingRow(SamplingParams(**kw), seed=0, prompt_token_ids=[], output_token_ids=[])
+    return SamplingRow(SamplingParams(**kw), seed=0, token_ids=[], num_prompt_tokens=0)
 
 
 def test_filters_keep_expected_sets():
@@ -86,7 +86,7 @@ def test_filters_keep_expected_sets():
 
 def test_draws_follow_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
-    rows = [SamplingRow(SamplingParams(temperature=1.0), seed=s, prompt_token_ids=[], output_token_ids=[])
+    rows = [SamplingRow(SamplingParams(temperature=1.0), seed=s, token_ids=[], num_prompt_tokens=0)
             for s in range(3000)]
     tokens, _ = sample(probs.log().repeat(3000, 1), rows)
     freq = torch.bincount(torch.tensor(tokens), minlength=3).float() / 3000
@@ -97,7 +97,8 @@ def test_penalties_and_min_tokens():
     logits = torch.tensor([[2.0, 1.5, 0.5, -1.0]])
 
     def greedy(prompt, output, **kw):
-        return sample(logits, [SamplingRow(SamplingParams(temperature=0, **kw), 0, prompt, output)])[0][0]
+        row = SamplingRow(SamplingParams(temperature=0, **kw), 0, prompt + output, len(prompt))
+        return sample(logits, [row])[0][0]
 
     assert greedy([0], [], repetition_penalty=1.2) == 0  # 2.0 / 1.2 = 1.67 still beats 1.5
     assert greedy([0], [], repetition_penalty=1.6) == 1  # 2.0 / 1.6 = 1.25 loses

@@ -1,0 +1,55 @@
+"""Where a step's time goes on the GPU: torch.profiler over steady-state steps of the
+throughput workload, kernels by CUDA time and host functions by CPU time.
+
+    python benchmarks/profile_step.py --model Qwen3-0.6B --num-prompts 256
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from metrale import LLM  # noqa: E402
+from metrale.bench.workload import random_workload  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="Qwen3-0.6B")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--skip-steps", type=int, default=60)
+    parser.add_argument("--active-steps", type=int, default=10)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    args = parser.parse_args()
+    work = random_workload(args.num_prompts, (100, 1024), (100, 1024), 0)
+    llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
+              max_num_seqs=args.max_num_seqs)
+    engine = llm.llm_engine
+    for i, (p, sp) in enumerate(zip(work.prompts, work.params)):
+        engine.add_request(str(i), {"prompt_token_ids": p}, sp.clone(output_kind="final_only"))
+    for _ in range(args.skip_steps):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    n = 20
+    for _ in range(n):
+        engine.step()
+    torch.cuda.synchronize()
+    print(f"steady state: {(time.perf_counter() - start) / n * 1e3:.2f} ms/step, "
+          f"{len(engine.scheduler.running)} running")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.active_steps):
+            engine.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    print(table.table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
