@@ -262,3 +262,19 @@ def test_non_streamed_disconnect_aborts(api_server):
     assert wait_for(lambda: _idle(api_server), timeout=1.0), api_server.metrics()
     generated = api_server.metrics()["met:generation_tokens_total"] - before
     assert generated < 4 * 480 / 2  # stopped early, not run to the end
+
+
+def test_streamed_bytes_are_valid_utf8(api_server):
+    """Case 9: a random model emits byte tokens that split characters; the wire stays valid UTF-8."""
+    body = {"prompt": "Ünïcödé text, emoji 🙂 and CJK 漢字", "max_tokens": 64, "temperature": 1.0, "seed": 3,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", api_server.url + "/v1/completions", json=body, headers=api_server.headers,
+                      timeout=60) as response:
+        raw = response.read()
+    text = raw.decode("utf-8")  # strict: raises on any broken sequence
+    events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    full = httpx.post(api_server.url + "/v1/completions", json={**body, "stream": False},
+                      headers=api_server.headers, timeout=60).json()
+    assert streamed == full["choices"][0]["text"]

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from metrale.engine.async_engine import EngineOverloadedError, RequestStream
+from metrale.engine.async_engine import RequestStream
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.sampling_params import SamplingParams
 from metrale.entrypoints.server.choices import ChoiceCursor, check_output, final_output, usage_of
@@ -57,20 +57,9 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
 
 async def _add_all(state: ServerState, request_id: str, prompts: list[dict],
                    params: SamplingParams) -> list[RequestStream]:
-    """All prompts or none: admission is checked for the whole batch, and a prompt the engine
-    refuses ends the ones already added."""
-    if not state.engine.would_admit(len(prompts) * params.n):
-        raise EngineOverloadedError("the server is at capacity; retry later")
-    streams: list[RequestStream] = []
-    try:
-        for i, prompt in enumerate(prompts):
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await state.engine.add_request(rid, prompt, params))
-    except BaseException:
-        for stream in streams:
-            stream.abort()
-        raise
-    return streams
+    if len(prompts) == 1:
+        return [await state.engine.add_request(request_id, prompts[0], params)]
+    return await state.engine.add_requests([(f"{request_id}-{i}", prompt, params) for i, prompt in enumerate(prompts)])
 
 
 class _Reply:

@@ -128,7 +128,8 @@ class DrainingServer(uvicorn.Server):
             lifecycle.exit_code = 1
             if self._dead_since is None:
                 self._dead_since = now
-                logger.error("the engine is %s; the server exits", engine.state.value)
+                logger.error("the engine %s; the server exits with status 1", "did not start"
+                             if engine.state == EngineState.FAILED else "stopped on an error")
             return now - self._dead_since >= DEAD_GRACE_SECONDS or engine.state == EngineState.FAILED
         if not lifecycle.draining:
             return False
