@@ -357,10 +357,11 @@ class AsyncEngine:
                     return
                 commands, self._inbox = self._inbox, []
             accepted, aborted = self._apply(commands)
-            outputs = engine.step() if engine.has_unfinished_requests() else []
+            stepped = engine.has_unfinished_requests()
+            outputs = engine.step() if stepped else []
             if outputs:
                 self.observer.on_outputs(outputs, time.monotonic())
-            if outputs or aborted:
+            if stepped or aborted:
                 self._publish_snapshot()
             if accepted or outputs:
                 self._on_loop(self._deliver, accepted, outputs)

@@ -37,7 +37,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         return sse_response(abort_on_exit([stream], events))
 
     async def run() -> dict:
-        stream = await state.engine.add_request(request_id, prompt, params)
+        # Not streamed: one output at the end spares the engine a cumulative copy every step.
+        stream = await state.engine.add_request(request_id, prompt, params.clone(output_kind="final_only"))
         try:
             return reply.full(await final_output(stream))
         finally:

@@ -43,7 +43,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
         return sse_response(abort_on_exit(streams, reply.events(streams, body.include_usage, engine_prompts)))
 
     async def run() -> dict:
-        streams = await _add_all(state, request_id, engine_prompts, params)
+        # Not streamed: one output at the end spares the engine a cumulative copy every step.
+        streams = await _add_all(state, request_id, engine_prompts, params.clone(output_kind="final_only"))
         try:
             outputs = await asyncio.gather(*(final_output(s) for s in streams))
             return reply.full(outputs, engine_prompts)

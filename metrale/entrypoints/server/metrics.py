@@ -84,7 +84,14 @@ class ServerMetrics(EngineObserver):
             if new_tokens > 0:
                 if timing.last_token_time is None:
                     self.prompt_tokens.inc(len(output.prompt_token_ids))
-                    self.ttft.observe(now - timing.arrival)
+                    first = output.metrics.get("first_token_time") or now
+                    self.ttft.observe(max(0.0, first - timing.arrival))
+                    if output.finished and new_tokens > 1:
+                        # A final-only output (not streamed): the steps between are not seen;
+                        # each token interval counts as the mean one.
+                        mean = max(0.0, now - first) / (new_tokens - 1)
+                        for _ in range(new_tokens - 1):
+                            self.itl.observe(mean)
                 else:
                     self.itl.observe(now - timing.last_token_time)
                 self.generation_tokens.inc(new_tokens)
