@@ -26,7 +26,7 @@ from metrale.engine.errors import EngineDeadError
 from metrale.entrypoints.server.args import ServerConfig
 from metrale.entrypoints.server.chat import create_chat_completion
 from metrale.entrypoints.server.completions import create_completion
-from metrale.entrypoints.server.errors import error_response, install_error_handlers
+from metrale.entrypoints.server.errors import bad_request, error_response, install_error_handlers
 from metrale.entrypoints.server.gate import GateMiddleware
 from metrale.entrypoints.server.http_server import DrainingServer, LimitedH11Protocol
 from metrale.entrypoints.server.memory import MemoryReport
@@ -90,8 +90,6 @@ def build_app(state: ServerState) -> FastAPI:
         prompts, model = state.require_ready()
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
-            from metrale.entrypoints.server.errors import bad_request
-
             raise bad_request("send exactly one of prompt and messages", "prompt")
         if body.messages is not None:
             _, tokens = await prompts.render_chat(body.messages, bool(body.add_generation_prompt))

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from metrale.engine.async_engine import AsyncEngine, EngineNotReadyError, EngineState
+from metrale.engine.errors import EngineDeadError
 from metrale.entrypoints.server.args import ServerConfig
 from metrale.entrypoints.server.errors import APIError
 from metrale.entrypoints.server.metrics import ServerMetrics
@@ -49,8 +50,6 @@ class ServerState:
 
     def require_ready(self) -> tuple[PromptRenderer, ModelInfo]:
         if self.engine.state not in (EngineState.LOADING, EngineState.READY):
-            from metrale.engine.errors import EngineDeadError
-
             raise EngineDeadError(f"the engine is not running ({self.engine.state.value})")
         if self.prompts is None or self.model is None or not self.lifecycle.ready:
             raise EngineNotReadyError("the model is still loading")
