@@ -17,6 +17,20 @@ from metrale import LLM  # noqa: E402
 from metrale.bench.workload import random_workload  # noqa: E402
 
 
+def profile_prefill(args):
+    llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=8)
+    from metrale import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1)
+    for i in range(3):
+        llm.generate({"prompt_token_ids": [(i * 7 + j) % 1000 for j in range(args.prefill_len)]}, params)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        llm.generate({"prompt_token_ids": [(j * 13) % 1000 for j in range(args.prefill_len)]}, params)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=50))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="Qwen3-0.6B")
@@ -24,7 +38,10 @@ def main():
     parser.add_argument("--skip-steps", type=int, default=60)
     parser.add_argument("--active-steps", type=int, default=10)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--prefill-len", type=int, default=0, help="profile one prefill of this many tokens instead")
     args = parser.parse_args()
+    if args.prefill_len:
+        return profile_prefill(args)
     work = random_workload(args.num_prompts, (100, 1024), (100, 1024), 0)
     llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
               max_num_seqs=args.max_num_seqs)
