@@ -278,3 +278,20 @@ def test_streamed_bytes_are_valid_utf8(api_server):
     full = httpx.post(api_server.url + "/v1/completions", json={**body, "stream": False},
                       headers=api_server.headers, timeout=60).json()
     assert streamed == full["choices"][0]["text"]
+
+
+def test_return_token_ids(api_server):
+    """vLLM's extension: choices carry the generated ids, streamed or not, equal to the offline ids."""
+    http = httpx.Client(base_url=api_server.url, headers=api_server.headers, timeout=60)
+    body = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    full = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert len(full["token_ids"]) == 6
+    streamed = []
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"][0].get("token_ids") or []
+    assert streamed == full["token_ids"]
+    chat = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, "temperature": 0,
+                                                   "return_token_ids": True}).json()
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]

@@ -29,7 +29,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                                 bool(body.continue_final_message))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     prompt = {"prompt": text, "prompt_token_ids": token_ids}
-    reply = _Reply(request_id, state.config.served_model_name, top_logprobs)
+    reply = _Reply(request_id, state.config.served_model_name, top_logprobs, bool(body.return_token_ids))
 
     if body.stream:
         stream = await state.engine.add_request(request_id, prompt, params)
@@ -49,11 +49,12 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
 
 
 class _Reply:
-    def __init__(self, request_id: str, model: str, top_logprobs: int | None):
+    def __init__(self, request_id: str, model: str, top_logprobs: int | None, return_token_ids: bool):
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.top_logprobs = top_logprobs
+        self.return_token_ids = return_token_ids
 
     def _logprobs(self, entries: list | None) -> dict | None:
         if self.top_logprobs is None or entries is None:
@@ -64,6 +65,9 @@ class _Reply:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason} for c in output.outputs]
+        if self.return_token_ids:
+            for choice, c in zip(choices, output.outputs):
+                choice["token_ids"] = list(c.token_ids)
         return {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage_of([output]), "system_fingerprint": None}
 
@@ -87,11 +91,14 @@ class _Reply:
                 cursor = cursors[completion.index]
                 if cursor.finished:
                     continue
-                text, entries = cursor.advance(completion)
+                text, entries, token_ids = cursor.advance(completion)
                 logprobs = self._logprobs(entries) if entries else None
-                if text or logprobs:
-                    yield self._chunk([{"index": completion.index, "delta": {"content": text},
-                                        "logprobs": logprobs, "finish_reason": None}], include_usage)
+                if text or logprobs or (self.return_token_ids and token_ids):
+                    choice = {"index": completion.index, "delta": {"content": text}, "logprobs": logprobs,
+                              "finish_reason": None}
+                    if self.return_token_ids:
+                        choice["token_ids"] = token_ids
+                    yield self._chunk([choice], include_usage)
                 if completion.finish_reason is not None:
                     cursor.finished = True
                     yield self._chunk([{"index": completion.index, "delta": {}, "logprobs": None,

@@ -21,13 +21,14 @@ class ChoiceCursor:
         self.offset = 0  # characters before the next token (legacy completions' text_offset)
         self.finished = False
 
-    def advance(self, completion: CompletionOutput) -> tuple[str, list | None]:
-        """New text and the logprob entries of the new tokens since the last call."""
+    def advance(self, completion: CompletionOutput) -> tuple[str, list | None, list[int]]:
+        """New text, the logprob entries and the ids of the new tokens since the last call."""
         text = completion.text[self.chars:]
         self.chars = max(self.chars, len(completion.text))
         entries = completion.logprobs[self.tokens:] if completion.logprobs is not None else None
+        token_ids = completion.token_ids[self.tokens:]
         self.tokens = len(completion.token_ids)
-        return text, entries
+        return text, entries, token_ids
 
 
 def check_output(output: RequestOutput) -> None:

@@ -36,7 +36,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
             text = await prompts.decode(prompt, "prompt") if body.echo and prompts.tokenizer else None
             engine_prompts.append({"prompt": text, "prompt_token_ids": prompt})
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    reply = _Reply(request_id, state.config.served_model_name, logprobs, bool(body.echo), params.n)
+    reply = _Reply(request_id, state.config.served_model_name, logprobs, bool(body.echo), params.n,
+                   bool(body.return_token_ids))
 
     if body.stream:
         streams = await _add_all(state, request_id, engine_prompts, params)
@@ -64,7 +65,9 @@ async def _add_all(state: ServerState, request_id: str, prompts: list[dict],
 
 
 class _Reply:
-    def __init__(self, request_id: str, model: str, logprobs: int | None, echo: bool, n: int):
+    def __init__(self, request_id: str, model: str, logprobs: int | None, echo: bool, n: int,
+                 return_token_ids: bool):
+        self.return_token_ids = return_token_ids
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
@@ -84,6 +87,8 @@ class _Reply:
                             if self.logprobs is not None and c.logprobs is not None else None)
                 choices.append({"index": p * self.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                if self.return_token_ids:
+                    choices[-1]["token_ids"] = list(c.token_ids)
         return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage_of(outputs), "system_fingerprint": None}
 
@@ -114,14 +119,16 @@ class _Reply:
                 cursor = cursors[index]
                 if cursor.finished:
                     continue
-                text, entries = cursor.advance(completion)
+                text, entries, token_ids = cursor.advance(completion)
                 logprobs = None
                 if self.logprobs is not None and entries:
                     logprobs = completion_logprobs(entries, self.logprobs, cursor.offset)
                     cursor.offset += sum(len(t) for t in logprobs["tokens"])
-                if text or logprobs:
-                    yield self._chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None},
-                                      include_usage)
+                if text or logprobs or (self.return_token_ids and token_ids):
+                    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
+                    if self.return_token_ids:
+                        choice["token_ids"] = token_ids
+                    yield self._chunk(choice, include_usage)
                 if completion.finish_reason is not None:
                     cursor.finished = True
                     yield self._chunk({"index": index, "text": "", "logprobs": None,

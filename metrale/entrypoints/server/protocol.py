@@ -75,6 +75,8 @@ class SamplingFields(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    return_token_ids: bool | None = Field(False, description="vLLM extension: each choice also carries the "
+                                                               "generated token ids (`token_ids`)")
 
     @property
     def include_usage(self) -> bool:
