@@ -37,7 +37,9 @@ def _eos_token_ids(model_dir: str, tokenizer) -> list[int]:
 class LLMEngine:
     def __init__(self, args: EngineArgs, log_startup: bool = False):
         self.args = args
-        parts = build_engine_parts(args, StartupLog(log_startup))
+        # Kept so that `met serve` can log its "ready" phase in the same numbering.
+        self.startup_log = StartupLog(log_startup)
+        parts = build_engine_parts(args, self.startup_log)
         self.model_config: ModelConfig = parts.model_config
         self.tokenizer = parts.tokenizer
         self.runner = parts.runner
