@@ -144,7 +144,6 @@ async def _become_ready(state: ServerState, memory: list, started: float) -> Non
         await state.engine.wait_until_loaded()
     except EngineDeadError:
         return  # DrainingServer sees the failed state and exits 1
-    phase_start = time.perf_counter()
     llm = state.engine.engine
     args = state.engine.args
     model_dir = llm.model_config.model_dir
@@ -159,11 +158,11 @@ async def _become_ready(state: ServerState, memory: list, started: float) -> Non
         return
     state.model = ModelInfo(model_dir, llm.model_config.max_model_len, llm.model_config.vocab_size)
     state.lifecycle.ready = True
-    now = time.perf_counter()
-    # The engine logged the phases before this one; "ready" continues its numbering when it can.
-    number = getattr(getattr(llm, "startup_log", None), "number", None)
-    label = f"[{number + 1}]" if number is not None else "   "
-    logger.info("%s %-14s %7.2fs  %s", label, "ready", now - phase_start, f"startup took {now - started:.2f}s")
+    startup_log = getattr(llm, "startup_log", None)  # the engine's phases, so "ready" continues their numbering
+    if startup_log is not None:
+        startup_log.phase("ready", f"startup took {time.perf_counter() - started:.2f}s")
+    else:
+        logger.info("ready; startup took %.2fs", time.perf_counter() - started)
     config = state.config
     host = f"[{config.host}]" if ":" in config.host else config.host
     logger.info("serving %r at http://%s:%d/v1  (try: curl http://%s:%d/v1/models)", config.served_model_name,
