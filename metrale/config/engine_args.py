@@ -28,6 +28,13 @@ def int_or_auto(value: str | int) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
 
 
+def kv_skip_layers(spec: str) -> frozenset[int]:
+    try:
+        return frozenset(int(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"kv_cache_dtype_skip_layers must be comma-separated layer indices, got {spec!r}") from None
+
+
 @dataclass
 class EngineArgs:
     model: str | None = option(None, "Hugging Face model directory (config.json, *.safetensors, tokenizer)")
@@ -52,8 +59,13 @@ class EngineArgs:
                                     choices=("auto", "torch", "triton"))
     enforce_eager: bool = option(False, "Never capture CUDA graphs")
     enable_prefix_caching: bool = option(True, "Reuse the KV of full blocks shared with earlier requests")
-    kv_cache_dtype: str = option("auto", "KV cache element type; auto: the model dtype",
-                                 choices=("auto", "float32", "bfloat16", "float16", "fp8"))
+    kv_cache_dtype: str = option("auto", "KV cache element type; auto: the model dtype; fp8: e4m3 with "
+                                         "per-layer scales", choices=("auto", "float32", "bfloat16", "float16", "fp8"))
+    kv_cache_dtype_skip_layers: str = option("", "Comma-separated layer indices whose KV cache stays in the model "
+                                                 "dtype when --kv-cache-dtype fp8 (e.g. 0,1,35)")
+    fp8_kv_calibration_tokens: int = option(0, "With --kv-cache-dtype fp8 and no k_scale/v_scale in the checkpoint: "
+                                               "calibrate the scales at startup over this many tokens (0: scales 1.0)")
+    fp8_kv_headroom: float = option(1.2, "Calibrated fp8 scales cover the largest value seen times this factor")
     # Parallelism (docs/parallel.md). world = tp x ep (orthogonal mesh) or tp = ep = world (overlapping).
     tp_size: int = option(1, "Tensor-parallel ranks")
     ep_size: int = option(1, "Expert-parallel ranks (MoE models)")
@@ -71,12 +83,29 @@ class EngineArgs:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.fp8_kv_headroom < 1.0:
+            raise ValueError(f"fp8_kv_headroom must be at least 1.0, got {self.fp8_kv_headroom}")
+        if self.fp8_kv_calibration_tokens < 0:
+            raise ValueError(f"fp8_kv_calibration_tokens must be >= 0, got {self.fp8_kv_calibration_tokens}")
+        kv_skip_layers(self.kv_cache_dtype_skip_layers)  # validates
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+
+    @property
+    def kv_cache_skip_layers(self) -> frozenset[int]:
+        return kv_skip_layers(self.kv_cache_dtype_skip_layers)
+
+    def kv_cache_torch_dtype(self, layer_index: int, model_dtype):
+        """The KV element type of one layer."""
+        import torch
+
+        if self.kv_cache_dtype == "auto" or (self.kv_cache_dtype == "fp8" and layer_index in self.kv_cache_skip_layers):
+            return model_dtype
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else getattr(torch, self.kv_cache_dtype)
 
     # -- the command line, generated from the fields -------------------------------------------
 

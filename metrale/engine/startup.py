@@ -73,12 +73,8 @@ class EngineParts:
     max_num_seqs: int
 
 
-def _kv_element_bytes(args: EngineArgs, config: ModelConfig) -> int:
-    if args.kv_cache_dtype == "fp8":
-        return 1
-    if args.kv_cache_dtype != "auto":
-        return torch.finfo(getattr(torch, args.kv_cache_dtype)).bits // 8
-    return torch.finfo(config.dtype).bits // 8
+def kv_cache_dtypes(args: EngineArgs, config: ModelConfig, num_attention_layers: int) -> list[torch.dtype]:
+    return [args.kv_cache_torch_dtype(i, config.dtype) for i in range(num_attention_layers)]
 
 
 def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
@@ -93,8 +89,9 @@ def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
             torch.set_default_dtype(previous)
     from metrale.layers.attention.layer import Attention
 
-    kv_per_token = sum(2 * layer.num_kv_heads * layer.head_dim for layer in meta_model.modules()
-                       if isinstance(layer, Attention)) * _kv_element_bytes(args, config)
+    layers = [m for m in meta_model.modules() if isinstance(m, Attention)]
+    kv_per_token = sum(2 * layer.num_kv_heads * layer.head_dim * dtype.itemsize
+                       for layer, dtype in zip(layers, kv_cache_dtypes(args, config, len(layers))))
     activation = estimate_activation_bytes(config.hf_config, config.dtype, args.max_num_batched_tokens,
                                            1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs),
                                            config.vocab_size)
@@ -125,6 +122,25 @@ def _measure_on_cuda(plan: MemoryPlan, runner: ModelRunner, args: EngineArgs, de
     plan.runtime_overhead_bytes = max(0, (total - free) - plan.weight_bytes)
 
 
+def _calibrate_fp8_scales(args: EngineArgs, runner: ModelRunner, tokenizer, plan: MemoryPlan) -> None:
+    """Scales from the checkpoint stay; otherwise calibrate over N tokens of English text (Python's
+    own documentation, offline), or keep 1.0 when N is 0."""
+    if args.kv_cache_dtype != "fp8" or args.fp8_kv_calibration_tokens == 0:
+        return
+    if any(layer.k_scale != 1.0 or layer.v_scale != 1.0 for layer in runner.attention_layers()):
+        return  # the checkpoint carried k_scale / v_scale
+    n = args.fp8_kv_calibration_tokens
+    if tokenizer is not None:
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[k] for k in sorted(topics))
+        ids = tokenizer.encode(text)[:n]
+    else:
+        ids = [(i * 7919) % runner.model_config.vocab_size for i in range(n)]
+    runner.calibrate_kv_scales(ids, args.fp8_kv_headroom, min(plan.max_model_len, plan.kv_capacity_tokens))
+    logger.info("fp8 KV scales calibrated over %d tokens (headroom %.2f)", len(ids), args.fp8_kv_headroom)
+
+
 def build_engine_parts(args: EngineArgs, log: StartupLog) -> EngineParts:
     device = resolve_device(args.device)
     model_dir = resolve_model_dir(args.model, args.load_format)
@@ -149,7 +165,8 @@ def build_engine_parts(args: EngineArgs, log: StartupLog) -> EngineParts:
 
     torch.manual_seed(args.seed)
     model = build_model(config, device, args.load_format, args.seed, show_progress=log.enabled)
-    runner = ModelRunner(model, config, device, args.block_size, args.attention_backend)
+    runner = ModelRunner(model, config, device, args.block_size, args.attention_backend,
+                         kv_cache_dtypes(args, config, len(ModelRunner.attention_layers_of(model))))
     log.phase("load weights", f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
 
     if device.type == "cuda":
@@ -157,6 +174,7 @@ def build_engine_parts(args: EngineArgs, log: StartupLog) -> EngineParts:
     fit_kv_blocks(plan, args.num_kv_blocks)
     plan.max_num_seqs = resolve_max_num_seqs(args.max_num_seqs, plan.kv_capacity_tokens, plan.max_model_len)
     runner.allocate_kv_cache(plan.num_kv_blocks)
+    _calibrate_fp8_scales(args, runner, tokenizer, plan)
     if not args.enforce_eager:
         runner.capture_cuda_graphs(plan.max_num_seqs, plan.max_model_len)
     log.phase("size KV cache", f"{plan.num_kv_blocks} blocks x {args.block_size} tokens "

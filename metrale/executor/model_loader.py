@@ -8,6 +8,7 @@ import torch
 from tqdm.auto import tqdm
 
 from metrale.config.model_config import ModelConfig
+from metrale.loader.kv_scales import take_kv_scales
 from metrale.loader.safetensors_loader import iterate_tensors
 from metrale.loader.weights import init_dummy_weights, load_weights
 from metrale.models.registry import get_model_class
@@ -46,5 +47,5 @@ def build_model(config: ModelConfig, device: torch.device, load_format: str = "a
     else:
         total = count_tensors(config.model_dir) if show_progress else None
         with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
-            load_weights(model, iterate_tensors(config.model_dir), progress=bar)
+            load_weights(model, take_kv_scales(model, iterate_tensors(config.model_dir)), progress=bar)
     return model.eval()

@@ -45,7 +45,7 @@ class BatchInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, device: torch.device,
-                 block_size: int, attention_backend: str = "auto"):
+                 block_size: int, attention_backend: str = "auto", kv_cache_dtypes: list | None = None):
         self.model = model
         self.model_config = model_config
         self.device = device
@@ -55,6 +55,13 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []  # per layer: [2, num_blocks, block_size, kv_heads, head_dim]
         self._pin = device.type == "cuda"
         self.graphs = None  # DecodeGraphs, once captured
+        layers = self.attention_layers()
+        # The KV element type of each attention layer, in model order (an fp8 cache may keep some
+        # layers in the model dtype).
+        self.kv_cache_dtypes = kv_cache_dtypes or [model_config.dtype] * len(layers)
+        for layer, dtype in zip(layers, self.kv_cache_dtypes):
+            if dtype != torch.float8_e4m3fn:  # scales mean something only to an fp8 cache
+                layer.k_scale = layer.v_scale = 1.0
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         from metrale.executor.cuda_graphs import DecodeGraphs
@@ -67,20 +74,23 @@ class ModelRunner:
 
     # -- the KV cache --------------------------------------------------------------------------
 
+    @staticmethod
+    def attention_layers_of(model: torch.nn.Module) -> list[Attention]:
+        return [m for m in model.modules() if isinstance(m, Attention)]
+
     def attention_layers(self) -> list[Attention]:
-        return [m for m in self.model.modules() if isinstance(m, Attention)]
+        return self.attention_layers_of(self.model)
 
     def kv_bytes_per_block(self) -> int:
-        element = torch.finfo(self.model_config.dtype).bits // 8
-        return sum(2 * self.block_size * layer.num_kv_heads * layer.head_dim * element
-                   for layer in self.attention_layers())
+        return sum(2 * self.block_size * layer.num_kv_heads * layer.head_dim * dtype.itemsize
+                   for layer, dtype in zip(self.attention_layers(), self.kv_cache_dtypes))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer, bound to it."""
         self.kv_caches = []
-        for layer in self.attention_layers():
+        for layer, dtype in zip(self.attention_layers(), self.kv_cache_dtypes):
             cache = torch.empty(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
-                                dtype=self.model_config.dtype, device=self.device)
+                                dtype=dtype, device=self.device)
             layer.kv_cache = (cache[0], cache[1])
             self.kv_caches.append(cache)
 
@@ -125,6 +135,34 @@ class ModelRunner:
         self.requests.clear()
         self.release_kv_cache()
         return peak
+
+    @torch.inference_mode()
+    def calibrate_kv_scales(self, token_ids: list[int], headroom: float, max_model_len: int) -> None:
+        """Set each fp8 layer's K and V scale from the largest values a forward pass over
+        `token_ids` produces (in chunks of at most max_model_len): amax x headroom maps to 448."""
+        from metrale.engine.scheduler_output import NewRequestData, SchedulerOutput
+
+        layers = self.attention_layers()
+        for layer in layers:
+            layer.observed_amax = [0.0, 0.0]
+        chunks = [token_ids[i:i + max_model_len] for i in range(0, len(token_ids), max_model_len)]
+        for i, chunk in enumerate(chunks):
+            blocks = -(-len(chunk) // self.block_size)
+            plan = SchedulerOutput(new_requests=[NewRequestData(f"__calibrate_{i}", chunk, len(chunk),
+                                                                SamplingParams(temperature=0), 0,
+                                                                list(range(blocks)), 0)],
+                                   num_scheduled_tokens={f"__calibrate_{i}": len(chunk)})
+            self._apply_plan(plan)
+            batch = self.prepare_inputs(plan)
+            with set_forward_context(ForwardContext(batch.metadata, self.backend)):
+                self.model(batch.input_ids, batch.positions)
+            self.requests.clear()
+        for layer, dtype in zip(layers, self.kv_cache_dtypes):
+            k_amax, v_amax = layer.observed_amax
+            layer.observed_amax = None
+            if dtype == torch.float8_e4m3fn:
+                layer.k_scale = max(k_amax * headroom / 448.0, 1e-6)
+                layer.v_scale = max(v_amax * headroom / 448.0, 1e-6)
 
     def release_kv_cache(self) -> None:
         for layer in self.attention_layers():

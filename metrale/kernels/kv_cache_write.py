@@ -17,8 +17,8 @@ def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_co, stride_ch,  # cache strides (shared by k_cache and v_cache)
-    block_size, num_kv_heads, head_dim,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    block_size, num_kv_heads, head_dim, inv_k_scale, inv_v_scale,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):
     # One program per (token, tile of heads); writes all of head_dim.
     t = tl.program_id(0)
@@ -33,11 +33,14 @@ def _write_kv_kernel(
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     dst = block * stride_cb + off * stride_co + h * stride_ch + d  # int64: slot is int64
+    if FP8:  # quantise: divide by the layer's scale, saturate at e4m3's largest finite value
+        k = tl.clamp(k.to(tl.float32) * inv_k_scale, -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) * inv_v_scale, -448.0, 448.0)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
+def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Triton path of write_kv_cache (in place on k_cache / v_cache)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     assert v.shape == k.shape and slot_mapping.shape == (num_tokens,)
@@ -52,8 +55,8 @@ def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        k_cache.shape[1], num_kv_heads, head_dim,
-        BLOCK_H=block_h, BLOCK_D=block_d,
+        k_cache.shape[1], num_kv_heads, head_dim, 1.0 / k_scale, 1.0 / v_scale,
+        BLOCK_H=block_h, BLOCK_D=block_d, FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
 
 

@@ -53,7 +53,9 @@ def _attend_tile(
     phys = tl.load(bt_row_ptr + n // block_size, mask=n_valid, other=0).to(tl.int64)
     kv_off = phys * stride_cb + (n % block_size) * stride_co + kvh * stride_ch
     kv_mask = n_valid[:, None] & d_mask[None, :]
-    k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    # An fp8 cache is widened to q's dtype here; its scales are folded into scale_log2e (K)
+    # and into the final normalisation (V) by the callers.
+    k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     qk = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale_log2e  # [rows, BLOCK_N], log2 units
     if MASK_CAUSAL:
         qk = tl.where((n[None, :] <= q_pos[:, None]) & n_valid[None, :], qk, float("-inf"))
@@ -63,7 +65,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
     return acc, m_new, l_i
 
@@ -76,7 +78,7 @@ def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, cu_q_ptr, seq_lens_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_co, stride_ch, stride_bt,
-    scale_log2e, block_size,
+    scale_log2e, v_scale, block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -124,7 +126,7 @@ def _extend_kernel(
             block_size, d, d_mask, stride_cb, stride_co, stride_ch, scale_log2e,
             MASK_CAUSAL=True, BLOCK_N=BLOCK_N, PRECISION=PRECISION, UPCAST=UPCAST)
 
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i[:, None])
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_valid[:, None] & d_mask[None, :])
@@ -148,12 +150,13 @@ def _extend_config(head_dim, rows_per_seq):
 def _check_paged(q, k_cache, v_cache, block_tables):
     assert q.dim() == 3 and q.stride(-1) == 1, "q: [tokens, heads, head_dim], head_dim contiguous"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-    assert k_cache.dtype == v_cache.dtype == q.dtype
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
     assert q.shape[1] % k_cache.shape[2] == 0 and q.shape[2] == k_cache.shape[3]
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
 
 
-def extend_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len, scale):
+def extend_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len, scale,
+                            k_scale: float = 1.0, v_scale: float = 1.0):
     _check_paged(q, k_cache, v_cache, block_tables)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -168,7 +171,7 @@ def extend_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale * LOG2E, k_cache.shape[1],
+        scale * k_scale * LOG2E, v_scale, k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, **_dot_flags(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
@@ -202,7 +205,7 @@ def _decode_stage1_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     stride_qs, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
     stride_ps, stride_ph, stride_os, stride_oh,
-    scale_log2e, block_size, num_splits,
+    scale_log2e, v_scale, block_size, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     DIRECT: tl.constexpr,
@@ -242,7 +245,7 @@ def _decode_stage1_kernel(
             block_size, d, d_mask, stride_cb, stride_co, stride_ch, scale_log2e,
             MASK_CAUSAL=False, BLOCK_N=BLOCK_N, PRECISION=PRECISION, UPCAST=UPCAST)
 
-    o = acc / l_i[:, None]
+    o = acc * (v_scale / l_i[:, None])
     if DIRECT:
         o_off = seq.to(tl.int64) * stride_os + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -296,7 +299,8 @@ def choose_num_kv_splits(num_seqs, num_kv_heads, max_context, device) -> int:
 DECODE_BLOCK_N = 64
 
 
-def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_kv_splits=None):
+def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_kv_splits=None,
+                            k_scale: float = 1.0, v_scale: float = 1.0):
     _check_paged(q, k_cache, v_cache, block_tables)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -319,7 +323,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, 
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_heads * num_kv_splits, num_kv_splits, out.stride(0), out.stride(1),
-        scale * LOG2E, k_cache.shape[1], num_kv_splits,
+        scale * k_scale * LOG2E, v_scale, k_cache.shape[1], num_kv_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         **_dot_flags(q.dtype), DIRECT=direct, num_warps=4, num_stages=3,

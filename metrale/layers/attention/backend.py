@@ -22,13 +22,16 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]."""
+                 slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim].
+        An fp8 cache stores k / k_scale and v / v_scale, saturated at +-448."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+                metadata: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]; an fp8 cache
+        is read back as value x scale."""
 
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}

@@ -13,13 +13,23 @@ from metrale.executor.forward_context import AttentionMetadata
 from metrale.layers.attention.backend import AttentionBackend, register_backend
 
 
-def write_kv_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if dtype != FP8:
+        return x.to(dtype)
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def write_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
     block_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    k_cache[blocks, offsets] = quantize(k[keep], k_cache.dtype, k_scale)
+    v_cache[blocks, offsets] = quantize(v[keep], v_cache.dtype, v_scale)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -33,10 +43,12 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+        write_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def forward(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
+        fp8 = k_cache.dtype == FP8
         out = torch.empty_like(q)
         num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -47,6 +59,8 @@ class TorchAttentionBackend(AttentionBackend):
             q_i = q[start:start + query_len].transpose(0, 1)  # [heads, q, d]
             k_i = gather_context(k_cache, metadata.block_tables[i], seq_len).to(q.dtype)
             v_i = gather_context(v_cache, metadata.block_tables[i], seq_len).to(q.dtype)
+            if fp8:
+                k_i, v_i = k_i * k_scale, v_i * v_scale
             k_i = k_i.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, s, d]
             v_i = v_i.transpose(0, 1).repeat_interleave(group, dim=0)
             # Query row j sits at position seq_len - query_len + j and sees keys 0..that position.

@@ -25,11 +25,13 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
 
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def forward(self, q: torch.Tensor, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         if metadata.is_pure_decode:
-            return decode_attention_triton(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale)
+            return decode_attention_triton(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale,
+                                           k_scale=k_scale, v_scale=v_scale)
         return extend_attention_triton(q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
-                                       metadata.seq_lens, metadata.max_query_len, scale)
+                                       metadata.seq_lens, metadata.max_query_len, scale, k_scale, v_scale)
