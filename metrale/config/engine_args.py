@@ -58,6 +58,8 @@ class EngineArgs:
     attention_backend: str = option("auto", "Attention implementation; auto: triton on CUDA, torch on CPU",
                                     choices=("auto", "torch", "triton"))
     enforce_eager: bool = option(False, "Never capture CUDA graphs")
+    oom_watchdog_mib: int = option(1024, "On GPU: exit (status 1) when free device memory stays below this many "
+                                         "MiB for 3 readings 2 s apart; 0 turns the watchdog off")
     enable_prefix_caching: bool = option(True, "Reuse the KV of full blocks shared with earlier requests")
     kv_cache_dtype: str = option("auto", "KV cache element type; auto: the model dtype; fp8: e4m3 with "
                                          "per-layer scales", choices=("auto", "float32", "bfloat16", "float16", "fp8"))

@@ -62,6 +62,8 @@ class EngineSnapshot:
     num_preemptions_total: int = 0
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
 
 
 class EngineObserver:
@@ -393,5 +395,6 @@ class AsyncEngine:
         stats = scheduler.stats()
         self.snapshot = EngineSnapshot(stats.num_running, stats.num_waiting, stats.kv_cache_usage,
                                        stats.num_preemptions_total, scheduler.kv.num_blocks,
-                                       scheduler.kv.num_free_blocks)
+                                       scheduler.kv.num_free_blocks, stats.prefix_cache_queries_total,
+                                       stats.prefix_cache_hits_total)
         self.observer.on_snapshot(self.snapshot)

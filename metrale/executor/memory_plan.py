@@ -141,3 +141,25 @@ def resolve_max_num_seqs(requested: int | str, capacity_tokens: int, max_model_l
     typical = max(1, min(max_model_len // 4, 4096))
     seqs = capacity_tokens // typical
     return max(8, min(1024, seqs // 8 * 8))
+
+
+def memory_ledger(engine) -> dict:
+    """Every byte the engine holds on its device, live: weights, KV pool, activation reserve,
+    CUDA graphs, other torch allocations; device total and free; and the startup plan."""
+    runner = engine.runner
+    device = runner.device
+    weights = parameter_bytes(runner.model) + sum(b.numel() * b.element_size() for b in runner.model.buffers())
+    kv_cache = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+    graphs = runner.graphs.memory_bytes if runner.graphs is not None else 0
+    ledger = {"device": str(device), "weights_bytes": weights, "kv_cache_bytes": kv_cache,
+              "activation_reserve_bytes": engine.memory_plan.activation_reserve_bytes,
+              "activation_reserve_measured": engine.memory_plan.activation_measured,
+              "cuda_graphs_bytes": graphs}
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        ledger.update(total_bytes=total, free_bytes=free, torch_allocated_bytes=allocated,
+                      torch_reserved_bytes=torch.cuda.memory_reserved(device),
+                      other_torch_bytes=max(0, allocated - weights - kv_cache))
+    ledger["plan"] = engine.memory_plan.to_dict()
+    return ledger

@@ -202,12 +202,17 @@ def test_metrics_and_memory(api_server):
     for name in ("met:num_requests_running", "met:num_requests_waiting", "met:kv_cache_usage_perc",
                  "met:prompt_tokens_total", "met:generation_tokens_total", "met:num_preemptions_total",
                  "met:time_to_first_token_seconds_bucket", "met:inter_token_latency_seconds_bucket",
-                 "met:e2e_request_latency_seconds_bucket"):
+                 "met:e2e_request_latency_seconds_bucket", "met:prefix_cache_queries_total",
+                 "met:prefix_cache_hits_total"):
         assert name in text, name
     values = api_server.metrics()
     assert values["met:generation_tokens_total"] >= 3 and values["met:prompt_tokens_total"] > 0
     memory = httpx.get(api_server.url + "/memory", headers=api_server.headers).json()
     device = memory["devices"][0]
+    ledger = device["ledger"]
+    for key in ("weights_bytes", "kv_cache_bytes", "activation_reserve_bytes", "cuda_graphs_bytes", "plan"):
+        assert key in ledger, key
+    assert ledger["plan"]["num_kv_blocks"] == device["kv_blocks_total"]
     for key in ("total_bytes", "free_bytes", "weights_bytes", "kv_cache_bytes", "activation_reserve_bytes",
                 "kv_blocks_total", "kv_blocks_in_use"):
         assert isinstance(device[key], int) and device[key] >= 0, key

@@ -30,6 +30,7 @@ from metrale.entrypoints.server.errors import bad_request, error_response, insta
 from metrale.entrypoints.server.gate import GateMiddleware
 from metrale.entrypoints.server.http_server import DrainingServer, LimitedH11Protocol
 from metrale.entrypoints.server.memory import MemoryReport
+from metrale.executor import oom_watchdog
 from metrale.entrypoints.server.metrics import CONTENT_TYPE, ServerMetrics
 from metrale.entrypoints.server.prompts import PromptRenderer
 from metrale.entrypoints.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -151,6 +152,7 @@ async def _become_ready(state: ServerState, memory: list, started: float) -> Non
     try:
         state.prompts = await asyncio.to_thread(PromptRenderer.load, tokenizer_dir, llm.model_config.vocab_size)
         memory.append(MemoryReport(state.engine))
+        oom_watchdog.start_for(llm, state.engine.args.oom_watchdog_mib)
     except Exception as e:  # noqa: BLE001 - the server cannot serve; say why and exit
         logger.error("the server's tokenizer did not load: %s", e)
         state.lifecycle.exit_code = 1

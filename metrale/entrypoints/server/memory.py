@@ -49,6 +49,8 @@ class MemoryReport:
         self.activation_measured = bool(getattr(plan, "activation_measured", False))
 
     def as_dict(self) -> dict:
+        from metrale.executor.memory_plan import memory_ledger
+
         snapshot = self.engine.snapshot
         total, free = _device_memory(self.device)
         kv_bytes = snapshot.kv_blocks_total * self.kv_bytes_per_block
@@ -64,4 +66,5 @@ class MemoryReport:
             "kv_blocks_in_use": snapshot.kv_blocks_total - snapshot.kv_blocks_free,
             "kv_block_size_tokens": self.block_size,
             "kv_bytes_per_block": self.kv_bytes_per_block,
+            "ledger": memory_ledger(self.engine.engine),
         }]}

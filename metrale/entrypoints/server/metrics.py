@@ -56,6 +56,8 @@ class ServerMetrics(EngineObserver):
         self.prompt_tokens = counter("met:prompt_tokens", "Prompt tokens of requests that started generating")
         self.generation_tokens = counter("met:generation_tokens", "Generated tokens")
         self.preemptions = counter("met:num_preemptions", "Times a running sequence was preempted")
+        self.prefix_queries = counter("met:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("met:prefix_cache_hits", "Prompt tokens whose KV the prefix cache supplied")
         self.success = counter("met:request_success", "Requests that finished", ["finished_reason"])
         self.rejected = counter("met:request_rejected", "Requests refused with 503 (queue full, draining)")
         self.ttft = histogram("met:time_to_first_token_seconds", "Arrival to first token", _TTFT_BUCKETS)
@@ -64,6 +66,8 @@ class ServerMetrics(EngineObserver):
         self.e2e = histogram("met:e2e_request_latency_seconds", "Arrival to last token", _E2E_BUCKETS)
         self._timing: dict[str, _RequestTiming] = {}  # engine thread only
         self._preemptions_seen = 0
+        self._queries_seen = 0
+        self._hits_seen = 0
 
     # -- EngineObserver (engine thread) -----------------------------------------------------------
 
@@ -107,6 +111,11 @@ class ServerMetrics(EngineObserver):
         self.running.set(snapshot.num_running)
         self.waiting.set(snapshot.num_waiting)
         self.kv_usage.set(snapshot.kv_cache_usage)
+        for metric, total, seen in ((self.prefix_queries, snapshot.prefix_cache_queries_total, "_queries_seen"),
+                                    (self.prefix_hits, snapshot.prefix_cache_hits_total, "_hits_seen")):
+            if total > getattr(self, seen):
+                metric.inc(total - getattr(self, seen))
+                setattr(self, seen, total)
         if snapshot.num_preemptions_total > self._preemptions_seen:
             self.preemptions.inc(snapshot.num_preemptions_total - self._preemptions_seen)
             self._preemptions_seen = snapshot.num_preemptions_total
