@@ -11,7 +11,7 @@ QUICK="${1:-}"
 met() { python3 -m metrale.entrypoints.cli "$@"; }
 
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))'
-git rev-parse --short HEAD 2>/dev/null > "$OUT/commit.txt" || echo unknown > "$OUT/commit.txt"
+echo "${MET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" > "$OUT/commit.txt"
 
 if [ "$QUICK" != "bench-only" ]; then
   python3 -m pytest -q -x tests/gpu tests/kernels -m gpu -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
