@@ -109,24 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_args(p)
         EngineArgs.add_cli_args(p)
         p.set_defaults(handler=_bench)
-    try:
-        from metrale.bench import serve as serve_bench
+    from metrale.bench import serve as serve_bench
 
-        p = bench_sub.add_parser("serve", help=serve_bench.__doc__.splitlines()[0])
-        serve_bench.add_args(p)
-        p.set_defaults(handler=_bench)
-    except ImportError:
-        pass
+    p = bench_sub.add_parser("serve", help=serve_bench.__doc__.splitlines()[0])
+    serve_bench.add_args(p)
+    p.set_defaults(handler=_bench)
 
-    try:
-        from metrale.entrypoints.server.args import add_serve_args
-    except ImportError:
-        add_serve_args = None
-    if add_serve_args is not None:
-        serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-        add_serve_args(serve)
-        EngineArgs.add_cli_args(serve)
-        serve.set_defaults(handler=_serve)
+    from metrale.entrypoints.server.args import add_serve_args
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_args(serve)
+    EngineArgs.add_cli_args(serve)
+    serve.set_defaults(handler=_serve)
     return parser
 
 
