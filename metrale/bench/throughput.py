@@ -42,13 +42,15 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
         "requests_per_s": args.num_prompts / seconds, "floor_seconds": floor.seconds,
         "floor_output_tokens_per_s": output_tokens / floor.seconds, "floor_ratio": floor.seconds / seconds,
         "bound": floor.bound, "num_preemptions": engine.scheduler.num_preemptions_total,
+        "kv_cache_dtype": engine.args.kv_cache_dtype, "kv_capacity_tokens": engine.memory_plan.kv_capacity_tokens,
     }
     print(rates.describe())
     print(f"{args.num_prompts} requests, {input_tokens} prompt + {output_tokens} output tokens in {seconds:.2f} s")
     print(f"  output tokens/s   {result['output_tokens_per_s']:10.1f}   (floor {result['floor_output_tokens_per_s']:.0f}, "
           f"{floor.bound}-bound: {floor.bytes_moved / 1e12:.2f} TB moved, {floor.flops / 1e15:.2f} PFLOP)")
     print(f"  total tokens/s    {result['total_tokens_per_s']:10.1f}")
-    print(f"  achieved / floor  {result['floor_ratio']:10.1%}   preemptions {result['num_preemptions']}")
+    print(f"  achieved / floor  {result['floor_ratio']:10.1%}   preemptions {result['num_preemptions']}, "
+          f"KV pool {result['kv_capacity_tokens']:,} tokens ({result['kv_cache_dtype']})")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
