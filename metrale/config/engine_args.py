@@ -77,6 +77,8 @@ class EngineArgs:
     master_port: int = option(29500, "Port of rank 0's rendezvous")
     moe_expert_layout: str = option("ep", "ep: each EP rank holds a range of experts; tp: every expert's "
                                           "intermediate dimension is sliced over the TP ranks", choices=("ep", "tp"))
+    all_reduce_oneshot_max_kb: int = option(0, "CUDA all-reduces of at most this many KiB use a one-shot "
+                                                "symmetric-memory path, larger ones NCCL's; 0: always NCCL's")
 
     def __post_init__(self) -> None:
         self.max_num_seqs = int_or_auto(self.max_num_seqs)

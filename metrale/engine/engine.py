@@ -42,7 +42,8 @@ class LLMEngine:
         parts = build_engine_parts(args, self.startup_log)
         self.model_config: ModelConfig = parts.model_config
         self.tokenizer = parts.tokenizer
-        self.runner = parts.runner
+        self.runner = parts.runner  # this rank's ModelRunner (model, KV cache, memory numbers)
+        self.executor = parts.executor  # runs each step: the runner, or the runner and the worker ranks
         self.device = self.runner.device
         self.memory_plan = parts.plan
         self.eos_token_ids = _eos_token_ids(self.model_config.model_dir, self.tokenizer)
@@ -116,11 +117,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def shutdown(self) -> None:
+        """Stop the worker ranks of a multi-rank engine (a no-op on one rank); no step after it."""
+        self.executor.shutdown()
+
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         plan, ended = self.scheduler.schedule()
-        result = self.runner.execute(plan)
+        result = self.executor.execute(plan)
         touched: list[str] = []
         for request in ended:
             self._finish(request, touched)

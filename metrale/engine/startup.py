@@ -12,11 +12,13 @@ import torch
 
 from metrale.config.engine_args import EngineArgs
 from metrale.config.model_config import ModelConfig, ModelLoadError, load_model_config
+from metrale.distributed.launch import ParallelRuntime, start_parallel
 from metrale.executor.memory_plan import (CPU_DEFAULT_KV_BYTES, CUDA_RUNTIME_OVERHEAD_BYTES, MemoryPlan,
-                                          estimate_activation_bytes, fit_kv_blocks, parameter_bytes,
-                                          resolve_max_num_seqs)
+                                          MemoryPlanError, estimate_activation_bytes, fit_kv_blocks,
+                                          parameter_bytes, resolve_max_num_seqs)
 from metrale.executor.model_loader import build_model
 from metrale.executor.model_runner import ModelRunner
+from metrale.executor.multiproc_executor import MultiprocExecutor, UniprocExecutor
 from metrale.models.registry import get_model_class, supported_architectures
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ class EngineParts:
     runner: ModelRunner
     plan: MemoryPlan
     max_num_seqs: int
+    executor: UniprocExecutor | MultiprocExecutor  # what the engine calls execute() on
 
 
 def kv_cache_dtypes(args: EngineArgs, config: ModelConfig, num_attention_layers: int) -> list[torch.dtype]:
@@ -147,18 +150,41 @@ def build_engine_parts(args: EngineArgs, log: StartupLog) -> EngineParts:
     log.phase("resolve model", model_dir)
 
     config = load_model_config(model_dir, args.dtype, device, args.max_model_len, supported_architectures())
-    tokenizer = None
-    if not args.skip_tokenizer_init:
-        from transformers import AutoTokenizer
+    # Above one rank: topology checks, worker ranks started, process groups (docs/parallel.md).
+    parallel = start_parallel(args, config, device)
+    try:
+        tokenizer = load_tokenizer(args, model_dir)
+        log.phase("read config", f"{config.architecture}, {config.dtype}, context {config.max_model_len}, "
+                                 f"device {device}")
+        if parallel is not None:
+            device = parallel.device
+            log.phase("parallel", parallel.topology.describe())
+        runner, plan = build_runner(args, config, device, log, tokenizer, parallel)
+    except BaseException:
+        if parallel is not None:
+            parallel.abort()
+        raise
+    executor = UniprocExecutor(runner) if parallel is None else MultiprocExecutor(runner, parallel)
+    return EngineParts(config, tokenizer, runner, plan, plan.max_num_seqs, executor)
 
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir, trust_remote_code=False)
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot load a tokenizer from {args.tokenizer or model_dir!r} ({e}); pass "
-                                 "--tokenizer DIR, or --skip-tokenizer-init to send token ids only") from None
-    log.phase("read config", f"{config.architecture}, {config.dtype}, context {config.max_model_len}, "
-                             f"device {device}")
 
+def load_tokenizer(args: EngineArgs, model_dir: str):
+    if args.skip_tokenizer_init:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(args.tokenizer or model_dir, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load a tokenizer from {args.tokenizer or model_dir!r} ({e}); pass "
+                             "--tokenizer DIR, or --skip-tokenizer-init to send token ids only") from None
+
+
+def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, log: StartupLog, tokenizer,
+                 parallel: ParallelRuntime | None = None) -> tuple[ModelRunner, MemoryPlan]:
+    """This rank's memory plan, model, and runner with its KV cache. Every rank runs it in the same
+    order: the profiling pass, the KV block agreement, calibration and graph capture meet in
+    collectives."""
     plan = plan_memory(args, config, device)
     fit_kv_blocks(plan, args.num_kv_blocks)  # refuses a model that cannot fit, before allocating
     log.phase("plan memory", f"weights {plan.weight_bytes / 2**30:.2f} GiB, KV {plan.kv_bytes_per_token} B/token")
@@ -171,7 +197,7 @@ def build_engine_parts(args: EngineArgs, log: StartupLog) -> EngineParts:
 
     if device.type == "cuda":
         _measure_on_cuda(plan, runner, args, device)
-    fit_kv_blocks(plan, args.num_kv_blocks)
+    _fit_kv_blocks_on_every_rank(plan, args, parallel)
     plan.max_num_seqs = resolve_max_num_seqs(args.max_num_seqs, plan.kv_capacity_tokens, plan.max_model_len)
     runner.allocate_kv_cache(plan.num_kv_blocks)
     _calibrate_fp8_scales(args, runner, tokenizer, plan)
@@ -181,4 +207,26 @@ def build_engine_parts(args: EngineArgs, log: StartupLog) -> EngineParts:
                                f"({plan.kv_cache_bytes / 2**20:.0f} MiB), attention backend {runner.backend.name}")
     if log.enabled:
         logger.info("%s", plan.table())
-    return EngineParts(config, tokenizer, runner, plan, plan.max_num_seqs)
+    return runner, plan
+
+
+def _fit_kv_blocks_on_every_rank(plan: MemoryPlan, args: EngineArgs, parallel: ParallelRuntime | None) -> None:
+    """Rank 0's scheduler hands out block ids that every rank's pool must hold: all ranks take the
+    smallest count any of them fits (a rank that cannot fit at all sends 0 and stops them all)."""
+    if parallel is None:
+        fit_kv_blocks(plan, args.num_kv_blocks)
+        return
+    error = None
+    try:
+        fit_kv_blocks(plan, args.num_kv_blocks)
+    except MemoryPlanError as e:
+        error = e
+    agreed = parallel.agree_min(0 if error is not None else plan.num_kv_blocks)
+    if error is not None:
+        raise error
+    if agreed == 0:
+        raise MemoryPlanError("another rank's memory plan does not fit (see its log)")
+    if agreed < plan.num_kv_blocks:
+        plan.notes.append(f"KV cache: {agreed} blocks, the smallest any of the "
+                          f"{parallel.topology.world_size} ranks fits")
+        plan.num_kv_blocks = agreed

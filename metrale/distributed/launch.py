@@ -1,0 +1,355 @@
+"""Starting the ranks of a multi-rank engine and joining them into process groups.
+
+Who starts whom (docs/parallel.md):
+
+- one host: rank 0 (the process that serves HTTP, or calls `LLM(...)`) spawns ranks 1..W-1
+  itself, as `python -m metrale.distributed.worker` subprocesses. This is the case when
+  `--master-addr` is a loopback address and no torchrun environment is present;
+- torchrun: every rank is started by torchrun, and RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
+  and MASTER_PORT come from its environment (`torchrun ... -m metrale.distributed.worker serve ...`);
+- several hosts: every rank is started by hand with --world-size, --rank, --master-addr (rank
+  0's address, not a loopback one) and --master-port.
+
+All ranks meet at a TCP store on master_addr:master_port (rank 0 hosts it, or torchrun's agent),
+then form: the world group (NCCL on CUDA, gloo on CPU), every TP and EP group, and a gloo group
+on the CPU for the step plans rank 0 broadcasts. The TP/EP/world groups go into
+`parallel_state`, and the MoE layout (`init_moe_layout`) before any model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import ipaddress
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from metrale.distributed import parallel_state
+from metrale.distributed.topology import (Topology, TopologyError, check_attention_heads, check_expert_layout,
+                                          resolve_topology)
+from metrale.engine.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+# Workers wait for the next step plan for as long as the server idles.
+CONTROL_TIMEOUT = datetime.timedelta(days=3650)
+STARTUP_TIMEOUT_S = 600.0
+SHUTDOWN_TIMEOUT_S = 15.0
+
+
+class WorkerDiedError(EngineDeadError):
+    """A rank of a multi-rank engine exited or stopped answering; the engine cannot continue."""
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    agent_store: bool  # torchrun's agent hosts the TCP store; rank 0 must not open its own
+
+
+def torchrun_env(environ=None) -> TorchrunEnv | None:
+    """The rank environment torchrun (or an equivalent launcher) set, if any."""
+    env = os.environ if environ is None else environ
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(env.get(n) for n in names) or int(env["WORLD_SIZE"]) <= 1:
+        return None
+    return TorchrunEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"])),
+                       env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                       env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
+
+
+def is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def topology_from_args(args, environ=None) -> tuple[Topology, TorchrunEnv | None]:
+    """This process's topology: world size and rank from torchrun's environment when present,
+    else from --world-size / --rank."""
+    env = torchrun_env(environ)
+    if env is None:
+        return resolve_topology(args.tp_size, args.ep_size, args.world_size, args.rank), None
+    if args.world_size > 1 and args.world_size != env.world_size:
+        raise TopologyError(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={env.world_size}")
+    return resolve_topology(args.tp_size, args.ep_size, env.world_size, env.rank), env
+
+
+# -- checks before anything is started ---------------------------------------------------------
+
+def moe_reduce_group(topology: Topology, expert_layout: str) -> parallel_state.TensorParallelGroup:
+    """The group over which a MoE layer's partial outputs are summed: every rank that holds a
+    different part of the same layer, and no other (else a part would be counted twice).
+    Layout tp, or no EP beside TP, or overlapping groups: the TP group; EP only: the EP group;
+    an orthogonal mesh with layout ep (experts by EP rank, sliced by TP rank): the world."""
+    if expert_layout == "tp" or topology.overlapping or topology.ep_size == 1:
+        return parallel_state.get_tp_group()
+    if topology.tp_size == 1:
+        return parallel_state.get_ep_group()
+    return parallel_state.get_world_group()
+
+
+def _init_moe_layout(topology: Topology, expert_layout: str) -> None:
+    from metrale.layers.moe.parallel import init_moe_layout, layout_for_topology
+
+    init_moe_layout(layout_for_topology(topology.tp_rank, topology.tp_size, topology.ep_rank, topology.ep_size,
+                                        expert_layout, moe_reduce_group(topology, expert_layout)))
+
+
+def check_model_split(config, topology: Topology, expert_layout: str) -> None:
+    """Refuse, before any process starts, a model this topology cannot split: the head counts,
+    then a dry build on the meta device with this rank's shard sizes (expert ranges, intermediate
+    slices), whose complaints are given the architecture and the sizes."""
+    from metrale.layers.moe.parallel import init_moe_layout
+    from metrale.models.registry import get_model_class
+
+    check_expert_layout(topology, expert_layout)
+    check_attention_heads(config.architecture, config.num_attention_heads, config.num_kv_heads, topology.tp_size)
+    parallel_state.init_tensor_parallel(topology.tp_rank, topology.tp_size)
+    parallel_state.init_expert_parallel(topology.ep_rank, topology.ep_size)
+    parallel_state.init_world_group(topology.rank, topology.world_size)
+    try:
+        _init_moe_layout(topology, expert_layout)
+        with torch.device("meta"):
+            get_model_class(config.architecture)(config)
+    except ValueError as e:
+        raise TopologyError(f"{config.architecture} cannot be split over tp_size={topology.tp_size}, "
+                            f"ep_size={topology.ep_size} (--moe-expert-layout {expert_layout}): {e}") from None
+    finally:
+        parallel_state.reset_parallel_state()
+        init_moe_layout(None)
+
+
+def ensure_no_live_groups() -> None:
+    if (dist.is_available() and dist.is_initialized()) or not parallel_state.is_single_rank():
+        raise RuntimeError("this process still holds the process groups of a multi-rank engine; shut that "
+                           "engine down first (llm.llm_engine.shutdown())")
+
+
+# -- the running ranks ---------------------------------------------------------------------------
+
+@dataclass
+class WorkerProcess:
+    rank: int
+    process: subprocess.Popen
+
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+
+class ParallelRuntime:
+    """What a rank holds once the groups exist: its topology and device, the CPU control group,
+    and, on rank 0 of a one-host launch, the worker processes it started."""
+
+    def __init__(self, topology: Topology, device: torch.device, control_group, store,
+                 workers: list[WorkerProcess]):
+        self.topology, self.device, self.control_group = topology, device, control_group
+        self.store, self.workers = store, workers
+        self.closed = False
+
+    def agree_min(self, value: int) -> int:
+        """The smallest `value` over all ranks (every rank calls it at the same point)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
+        except RuntimeError as e:
+            raise self.failure(e) from None
+        return int(t.item())
+
+    def check_workers(self) -> None:
+        for worker in self.workers:
+            code = worker.exit_code()
+            if code is not None:
+                raise WorkerDiedError(f"worker rank {worker.rank} (pid {worker.process.pid}) exited with code "
+                                      f"{code}; the engine cannot continue without it (see the worker's log above)")
+
+    def failure(self, error: BaseException) -> Exception:
+        """The error to raise when a collective with the other ranks failed."""
+        deadline = time.monotonic() + 2.0  # a peer that closed its sockets is usually exiting
+        while self.workers and time.monotonic() < deadline:
+            try:
+                self.check_workers()
+            except WorkerDiedError as e:
+                return e
+            time.sleep(0.05)
+        return WorkerDiedError(f"a collective with the other ranks failed ({error}); a peer rank has probably "
+                               f"died or restarted: see its log")
+
+    def close(self) -> None:
+        """Wait for the workers (rank 0 has sent them the stop message), then drop every group."""
+        if self.closed:
+            return
+        self.closed = True
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+        for worker in self.workers:
+            try:
+                worker.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("worker rank %d did not stop; killing it", worker.rank)
+                worker.process.kill()
+                worker.process.wait()
+        self._drop_groups()
+
+    def abort(self) -> None:
+        """Startup failed on this rank: stop the workers it started, drop the groups."""
+        if self.closed:
+            return
+        self.closed = True
+        kill_workers(self.workers)
+        self._drop_groups()
+
+    def _drop_groups(self) -> None:
+        from metrale.layers.moe.parallel import init_moe_layout
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        parallel_state.reset_parallel_state()
+        init_moe_layout(None)
+        self.store = None
+
+
+def kill_workers(workers: list[WorkerProcess]) -> None:
+    for worker in workers:
+        if worker.process.poll() is None:
+            worker.process.kill()
+    for worker in workers:
+        worker.process.wait()
+
+
+def rank_device(requested: torch.device, local_rank: int) -> torch.device:
+    if requested.type != "cuda":
+        return requested
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise TopologyError(f"local rank {local_rank} needs GPU {local_rank}, but this host has {count}")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def spawn_workers(args, topology: Topology, device: torch.device) -> list[WorkerProcess]:
+    """Ranks 1..W-1 of a one-host launch, as fresh interpreters (never a fork of a process that may
+    hold CUDA). They get rank 0's EngineArgs as JSON, with the resolved world size."""
+    wire = dict(dataclasses.asdict(args), world_size=topology.world_size)
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in env:
+        # Every rank computes at once; more threads than cores in all only adds contention.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // topology.world_size))
+    workers = []
+    for rank in range(1, topology.world_size):
+        command = [sys.executable, "-m", "metrale.distributed.worker", "--spawned-by", str(os.getpid()),
+                   "--rank", str(rank), "--engine-args", json.dumps(dict(wire, rank=rank))]
+        workers.append(WorkerProcess(rank, subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)))
+    logger.info("started %d worker rank(s): pids %s", len(workers), ", ".join(str(w.process.pid) for w in workers))
+    return workers
+
+
+def _wait_for_workers(store, workers: list[WorkerProcess]) -> None:
+    keys = [f"joined/{w.rank}" for w in workers]
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not store.check(keys):
+        for worker in workers:
+            code = worker.exit_code()
+            if code is not None:
+                raise WorkerDiedError(f"worker rank {worker.rank} exited with code {code} during startup "
+                                      f"(see its log above)")
+        if time.monotonic() > deadline:
+            raise WorkerDiedError(f"worker ranks did not join within {STARTUP_TIMEOUT_S:.0f}s")
+        time.sleep(0.02)
+
+
+def _group_of(rank: int, world_size: int, all_ranks: list[list[int]]):
+    """Create every group of a partition (all ranks call this alike); return this rank's group
+    and its rank in it. A group of the whole world is the default group."""
+    mine = None
+    for ranks in all_ranks:
+        group = dist.group.WORLD if len(ranks) == world_size else dist.new_group(ranks)
+        if rank in ranks:
+            mine = (group, ranks.index(rank))
+    return mine
+
+
+def _init_groups(topology: Topology, device: torch.device, oneshot_max_kb: int) -> None:
+    tp_group, tp_rank = _group_of(topology.rank, topology.world_size, topology.tp_group_ranks())
+    ep_group, ep_rank = _group_of(topology.rank, topology.world_size, topology.ep_group_ranks())
+    oneshots: dict[int, object] = {}
+
+    def oneshot(group, size):
+        if size == 1:
+            return None
+        if id(group) not in oneshots:
+            oneshots[id(group)] = parallel_state.make_oneshot_all_reduce(group, oneshot_max_kb, device)
+        return oneshots[id(group)]
+
+    parallel_state.init_tensor_parallel(tp_rank, topology.tp_size, tp_group, oneshot(tp_group, topology.tp_size))
+    parallel_state.init_expert_parallel(ep_rank, topology.ep_size, ep_group, oneshot(ep_group, topology.ep_size))
+    world = dist.group.WORLD
+    parallel_state.init_world_group(topology.rank, topology.world_size, world, oneshot(world, topology.world_size))
+
+
+def start_parallel(args, config, device: torch.device, spawned: bool = False) -> ParallelRuntime | None:
+    """Resolve the topology and, above one rank, join (or start) the other ranks and set the
+    groups layers use. Returns None for a single rank."""
+    topology, env = topology_from_args(args)
+    ensure_no_live_groups()
+    if topology.world_size == 1:
+        return None
+    check_model_split(config, topology, args.moe_expert_layout)
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast (NVLS) stays off
+    addr, port = (env.master_addr, env.master_port) if env else (args.master_addr, args.master_port)
+    spawn = env is None and not spawned and topology.rank == 0 and is_loopback(addr)
+    local_rank = env.local_rank if env else topology.rank if (spawn or spawned) else (
+        topology.rank % max(1, torch.cuda.device_count()) if device.type == "cuda" else 0)
+    if spawn and device.type == "cuda" and torch.cuda.device_count() < topology.world_size:
+        raise TopologyError(f"{topology.world_size} ranks on one host need {topology.world_size} GPUs; "
+                            f"this host has {torch.cuda.device_count()}")
+    device = rank_device(device, local_rank)
+    is_master = topology.rank == 0 and not (env is not None and env.agent_store)
+    try:
+        store = dist.TCPStore(addr, port, topology.world_size, is_master=is_master,
+                              timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        where = "listen on" if is_master else "reach rank 0's rendezvous at"
+        raise RuntimeError(f"cannot {where} {addr}:{port} ({e}); pass another --master-port") from None
+    workers = spawn_workers(args, topology, device) if spawn else []
+    try:
+        if workers:
+            _wait_for_workers(store, workers)
+        else:
+            store.set(f"joined/{topology.rank}", b"1")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.PrefixStore("metrale", store), rank=topology.rank,
+                                world_size=topology.world_size)
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        _init_groups(topology, device, getattr(args, "all_reduce_oneshot_max_kb", 0))
+        _init_moe_layout(topology, args.moe_expert_layout)
+    except BaseException:
+        kill_workers(workers)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        parallel_state.reset_parallel_state()
+        from metrale.layers.moe.parallel import init_moe_layout
+
+        init_moe_layout(None)
+        raise
+    logger.info("parallel: %s, %s backend, device %s", topology.describe(), backend, device)
+    return ParallelRuntime(topology, device, control, store, workers)

@@ -1,0 +1,180 @@
+"""A worker rank (1..W-1) of a multi-rank engine, and the step messages rank 0 sends it.
+
+Rank 0 owns the scheduler. Each step it broadcasts the plan to every worker over a gloo group
+on the CPU, then every rank runs the same plan on its shard; the layers' collectives meet inside
+the forward pass. A message is a msgpack map sent as two broadcasts: its length (one int64),
+then its bytes (uint8). Never pickle.
+
+    {"type": "step", "plan": SchedulerOutput.to_wire(), "sampled": {request_id: token_id}}
+    {"type": "stop"}
+
+Every rank samples (the logits are all-gathered, identical everywhere, and each request's draws
+come from its own seeded stream), so a step costs no collective after the forward pass. Rank 0
+is still the authority: "sampled" carries the tokens rank 0 drew in the previous step, and a
+worker adopts them before running the next one, so ranks cannot drift apart silently.
+
+Run as:
+    python -m metrale.distributed.worker --rank R --engine-args JSON --spawned-by PID   (rank 0 spawns these)
+    python -m metrale.distributed.worker serve|generate ... <met flags>                 (torchrun, or by hand)
+In the second form rank 0 runs the `met` command itself and the other ranks serve steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+class StepChannel:
+    """Rank 0 -> all: msgpack messages broadcast over a CPU (gloo) group."""
+
+    def __init__(self, group, src: int = 0):
+        self.group, self.src = group, src
+        self._lock = threading.Lock()  # one message at a time, whatever thread sends it
+
+    def send(self, message: dict) -> None:
+        payload = msgpack.packb(message, use_bin_type=True)
+        with self._lock:
+            dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), self.src, group=self.group)
+            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), self.src, group=self.group)
+
+    def receive(self) -> dict:
+        length = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(length, self.src, group=self.group)
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        dist.broadcast(payload, self.src, group=self.group)
+        return msgpack.unpackb(payload.numpy().tobytes(), raw=False, strict_map_key=False)
+
+
+def step_message(plan, sampled: dict[str, int]) -> dict:
+    return {"type": "step", "plan": plan.to_wire(), "sampled": sampled}
+
+
+STOP_MESSAGE = {"type": "stop"}
+
+
+def adopt_sampled(runner, sampled: dict[str, int]) -> int:
+    """Make this rank's last sampled tokens rank 0's; returns how many differed."""
+    differed = 0
+    for request_id, token in sampled.items():
+        state = runner.requests.get(request_id)
+        if state is not None and state.token_ids and state.token_ids[-1] != token:
+            state.token_ids[-1] = token
+            differed += 1
+    return differed
+
+
+def serve_steps(runner, channel: StepChannel) -> int:
+    """Run rank 0's plans until the stop message; returns the number of steps."""
+    from metrale.engine.scheduler_output import SchedulerOutput
+
+    steps, warned = 0, False
+    while True:
+        message = channel.receive()
+        if message["type"] == "stop":
+            return steps
+        if message["type"] != "step":
+            raise RuntimeError(f"unknown message from rank 0: {message['type']!r}")
+        if adopt_sampled(runner, message.get("sampled") or {}) and not warned:
+            warned = True
+            logger.warning("this rank sampled other tokens than rank 0 (nondeterministic logits?); "
+                           "following rank 0")
+        runner.execute(SchedulerOutput.from_wire(message["plan"]))
+        steps += 1
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """A worker rank 0 spawned ends when rank 0 is gone, even if no collective notices."""
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="met-parent-watch", daemon=True).start()
+
+
+def build_worker(args, spawned: bool):
+    """This rank's groups and model runner, built in the same order as rank 0's (their
+    collectives must meet): topology and groups, then `build_runner`."""
+    from metrale.config.model_config import load_model_config
+    from metrale.distributed.launch import start_parallel
+    from metrale.engine.startup import StartupLog, build_runner, load_tokenizer, resolve_device, resolve_model_dir
+    from metrale.models.registry import supported_architectures
+
+    device = resolve_device(args.device)
+    model_dir = resolve_model_dir(args.model, args.load_format)
+    config = load_model_config(model_dir, args.dtype, device, args.max_model_len, supported_architectures())
+    parallel = start_parallel(args, config, device, spawned=spawned)
+    if parallel is None:
+        raise RuntimeError("a worker needs a world of more than one rank")
+    try:
+        # The tokenizer only feeds startup work that must match rank 0's (fp8 KV calibration text).
+        tokenizer = load_tokenizer(args, model_dir)
+        runner, _ = build_runner(args, config, parallel.device, StartupLog(False), tokenizer, parallel)
+    except BaseException:
+        parallel.abort()
+        raise
+    return parallel, runner
+
+
+def run_worker(args, spawned_by: int | None = None) -> int:
+    if spawned_by is not None:
+        _watch_parent(spawned_by)
+    parallel, runner = build_worker(args, spawned=spawned_by is not None)
+    rank = parallel.topology.rank
+    try:
+        steps = serve_steps(runner, StepChannel(parallel.control_group))
+    except RuntimeError as e:
+        logger.error("rank %d: lost rank 0 (%s)", rank, e)
+        return 1
+    finally:
+        parallel.close()
+    logger.info("rank %d: stopped after %d steps", rank, steps)
+    return 0
+
+
+def _configure_logging(rank: str) -> None:
+    logging.basicConfig(level=logging.INFO, datefmt="%H:%M:%S",
+                        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from metrale.config.engine_args import EngineArgs
+
+    if "--engine-args" in argv:
+        parser = argparse.ArgumentParser(prog="python -m metrale.distributed.worker")
+        parser.add_argument("--engine-args", required=True, help="rank 0's EngineArgs as JSON")
+        parser.add_argument("--rank", type=int, required=True)
+        parser.add_argument("--spawned-by", type=int, default=None, help="rank 0's pid: exit when it is gone")
+        ns = parser.parse_args(argv)
+        args = EngineArgs(**dict(json.loads(ns.engine_args), rank=ns.rank))
+        _configure_logging(str(ns.rank))
+        return run_worker(args, ns.spawned_by)
+
+    from metrale.distributed.launch import topology_from_args
+    from metrale.entrypoints.cli import build_parser
+    from metrale.entrypoints.cli import main as met_main
+
+    args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
+    topology, _ = topology_from_args(args)
+    if topology.rank == 0:
+        return met_main(argv)
+    _configure_logging(str(topology.rank))
+    return run_worker(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
