@@ -104,11 +104,24 @@ def moe_reduce_group(topology: Topology, expert_layout: str) -> parallel_state.T
     return parallel_state.get_world_group()
 
 
-def _init_moe_layout(topology: Topology, expert_layout: str) -> None:
-    from metrale.layers.moe.parallel import init_moe_layout, layout_for_topology
+def moe_layout(topology: Topology, expert_layout: str):
+    """This rank's MoEParallelLayout. layout_for_topology takes tp == ep for overlapping groups
+    whatever the world size, so a tp x ep mesh with tp == ep (world = tp * tp) is built here:
+    expert range from the EP rank, sliced inside by the TP rank, summed over the world."""
+    from metrale.layers.moe.parallel import MoEParallelLayout, layout_for_topology
 
-    init_moe_layout(layout_for_topology(topology.tp_rank, topology.tp_size, topology.ep_rank, topology.ep_size,
-                                        expert_layout, moe_reduce_group(topology, expert_layout)))
+    group = moe_reduce_group(topology, expert_layout)
+    if expert_layout == "ep" and topology.tp_size == topology.ep_size > 1 and not topology.overlapping:
+        return MoEParallelLayout(tp_rank=topology.tp_rank, tp_size=topology.tp_size, ep_rank=topology.ep_rank,
+                                 ep_size=topology.ep_size, reduce_group=group)
+    return layout_for_topology(topology.tp_rank, topology.tp_size, topology.ep_rank, topology.ep_size,
+                               expert_layout, group)
+
+
+def _init_moe_layout(topology: Topology, expert_layout: str) -> None:
+    from metrale.layers.moe.parallel import init_moe_layout
+
+    init_moe_layout(moe_layout(topology, expert_layout))
 
 
 def check_model_split(config, topology: Topology, expert_layout: str) -> None:
