@@ -99,11 +99,19 @@ def prefill_floor(weight_bytes: int, active_params: int, prompt_lengths: list[in
     return Floor(weight_bytes, 2 * active_params * tokens, rates)
 
 
-def offline_floor(weight_bytes: int, active_params: int, kv_bytes_per_token: int, input_lens: list[int],
+def offline_floor(step_bytes, active_params: int, kv_bytes_per_token: int, input_lens: list[int],
                   output_lens: list[int], rates: HardwareRates) -> Floor:
-    """All requests at once: the weights are read once per decode step (as many steps as the
-    longest output), every output token reads its context, every token is computed once."""
+    """All requests at once. Decode step t runs every request with more than t outputs to go and
+    reads the weights those tokens need (`step_bytes(tokens)`) plus each one's context; the
+    prefill reads the weights once; every token is computed once at `active_params` per token."""
     kv_reads = sum(o * i + o * (o - 1) // 2 for i, o in zip(input_lens, output_lens))
-    moved = weight_bytes * (max(output_lens) + 1) + kv_bytes_per_token * kv_reads
+    running = sorted(output_lens)
+    moved, alive = float(step_bytes(sum(input_lens))), len(running)
+    for step in range(max(output_lens)):
+        while running and running[0] <= step:
+            running.pop(0)
+            alive -= 1
+        moved += step_bytes(alive)
+    moved += kv_bytes_per_token * kv_reads
     flops = 2 * active_params * (sum(input_lens) + sum(output_lens))
     return Floor(moved, flops, rates)

@@ -158,8 +158,9 @@ def _floor(memory: dict, work, seconds: float) -> dict:
         if plan["device"] != "cuda" or not torch.cuda.is_available():
             return {}
         rates = measure(torch.device("cuda"))
-        floor = offline_floor(plan["weight_bytes"], plan["weight_bytes"] // 2, plan["kv_bytes_per_token"],
-                              work.input_lens, work.output_lens, rates)
+        # The server's plan has no per-expert breakdown: every step reads all weights (exact for dense).
+        floor = offline_floor(lambda tokens: plan["weight_bytes"], plan["weight_bytes"] // 2,
+                              plan["kv_bytes_per_token"], work.input_lens, work.output_lens, rates)
         return {"floor_seconds": floor.seconds, "floor_ratio": floor.seconds / seconds, "bound": floor.bound}
     except (KeyError, IndexError, TypeError):
         return {}

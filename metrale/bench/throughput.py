@@ -7,7 +7,7 @@ import json
 import time
 
 from metrale.bench.hardware import measure, offline_floor
-from metrale.bench.workload import random_workload, weights_read_per_step
+from metrale.bench.workload import random_workload, step_weight_bytes, weights_read_per_step
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -32,9 +32,9 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     input_tokens = sum(workload.input_lens)
     assert output_tokens == sum(workload.output_lens), "ignore_eos: every request runs to max_tokens"
-    step_bytes, step_params = weights_read_per_step(engine.runner.model, args.num_prompts)
-    floor = offline_floor(step_bytes, step_params, engine.memory_plan.kv_bytes_per_token, workload.input_lens,
-                          workload.output_lens, rates)
+    _, active_params = weights_read_per_step(engine.runner.model, 1)
+    floor = offline_floor(step_weight_bytes(engine.runner.model), active_params,
+                          engine.memory_plan.kv_bytes_per_token, workload.input_lens, workload.output_lens, rates)
     result = {
         "benchmark": "throughput", "num_prompts": args.num_prompts, "device": rates.device,
         "seconds": seconds, "output_tokens": output_tokens, "input_tokens": input_tokens,
@@ -42,6 +42,7 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
         "requests_per_s": args.num_prompts / seconds, "floor_seconds": floor.seconds,
         "floor_output_tokens_per_s": output_tokens / floor.seconds, "floor_ratio": floor.seconds / seconds,
         "bound": floor.bound, "num_preemptions": engine.scheduler.num_preemptions_total,
+        "bandwidth_tb_s": rates.bandwidth_bytes_per_s / 1e12, "matmul_tflops": rates.matmul_flops_per_s / 1e12,
         "kv_cache_dtype": engine.args.kv_cache_dtype, "kv_capacity_tokens": engine.memory_plan.kv_capacity_tokens,
     }
     print(rates.describe())

@@ -36,28 +36,44 @@ def random_workload(num_prompts: int, input_range: tuple[int, int], output_range
     return Workload(prompts, params)
 
 
-def weights_read_per_step(model: torch.nn.Module, tokens_per_step: int) -> tuple[int, int]:
-    """(bytes, parameters) a step of `tokens_per_step` tokens must read: every weight except the
-    input embedding (only its rows are gathered), and for MoE layers only the experts the tokens
-    can reach (at most top_k x tokens of them)."""
+def weight_traffic(model: torch.nn.Module) -> tuple[int, int, int, int, float]:
+    """(dense bytes, expert bytes, dense params, expert params, top_k / num_experts) of what a
+    step reads. The input embedding is excluded (only its rows are gathered) unless it is tied to
+    the LM head; MoE expert weights are the 3-D parameters of layers with num_experts and top_k."""
     from metrale.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
     seen: set[int] = set()
-    total_bytes = total_params = 0
+    dense_bytes = expert_bytes = dense_params = expert_params = 0
+    share = 1.0
     lm_head_weights = {id(m.weight) for m in model.modules() if isinstance(m, ParallelLMHead)}
     for module in model.modules():
-        experts = getattr(module, "num_experts", None)
-        top_k = getattr(module, "top_k", None)
-        for name, p in module.named_parameters(recurse=False):
+        experts, top_k = getattr(module, "num_experts", None), getattr(module, "top_k", None)
+        for p in module.parameters(recurse=False):
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead) \
-                    and id(p) not in lm_head_weights:
+            if isinstance(module, VocabParallelEmbedding) and id(p) not in lm_head_weights:
                 continue
-            share = 1.0
             if experts and top_k and p.dim() == 3 and p.shape[0] == experts:
-                share = min(experts, top_k * tokens_per_step) / experts
-            total_bytes += int(p.numel() * p.element_size() * share)
-            total_params += int(p.numel() * share)
-    return total_bytes, total_params
+                expert_bytes += p.numel() * p.element_size()
+                expert_params += p.numel()
+                share = top_k / experts
+            else:
+                dense_bytes += p.numel() * p.element_size()
+                dense_params += p.numel()
+    return dense_bytes, expert_bytes, dense_params, expert_params, share
+
+
+def weights_read_per_step(model: torch.nn.Module, tokens_per_step: int) -> tuple[int, int]:
+    """(bytes a step of `tokens_per_step` tokens must read, parameters active per token): every
+    weight but the input embedding, and of MoE experts only those the tokens can reach (at most
+    top_k x tokens of them); per token, only top_k experts compute."""
+    dense_bytes, expert_bytes, dense_params, expert_params, share = weight_traffic(model)
+    reached = min(1.0, share * tokens_per_step)
+    return int(dense_bytes + expert_bytes * reached), int(dense_params + expert_params * share)
+
+
+def step_weight_bytes(model: torch.nn.Module):
+    """tokens -> bytes a step with that many tokens must read (see weights_read_per_step)."""
+    dense_bytes, expert_bytes, _, _, share = weight_traffic(model)
+    return lambda tokens: int(dense_bytes + expert_bytes * min(1.0, share * tokens))
