@@ -351,7 +351,7 @@ def start_parallel(args, config, device: torch.device, spawned: bool = False) ->
             store.set(f"joined/{topology.rank}", b"1")
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.PrefixStore("metrale", store), rank=topology.rank,
-                                world_size=topology.world_size)
+                                world_size=topology.world_size, device_id=device if device.type == "cuda" else None)
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         _init_groups(topology, device, getattr(args, "all_reduce_oneshot_max_kb", 0))
         _init_moe_layout(topology, args.moe_expert_layout)

@@ -78,4 +78,7 @@ class MultiprocExecutor:
 
     def __getattr__(self, name: str):
         # The ModelRunner's attributes (backend, device, model, kv_bytes_per_block, requests, ...).
-        return getattr(self.__dict__["runner"], name)
+        runner = self.__dict__.get("runner")
+        if runner is None:
+            raise AttributeError(name)
+        return getattr(runner, name)

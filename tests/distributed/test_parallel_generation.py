@@ -1,0 +1,310 @@
+"""Tensor and expert parallel end to end on the CPU with gloo: worker ranks are real processes.
+
+Greedy token ids of tp=2, ep=2 and tp=2 x ep=2 (world 4) equal one rank's and transformers', for a
+dense family (KV heads that divide, and a single KV head replicated over the TP ranks) and both
+MoE families (8 experts, and 5 that split unevenly over 2 EP ranks), with prompts of several
+lengths under a 16-token step budget (chunked prefill mixed with decodes); seeded sampling equals
+one rank's. Then the ways to start ranks (`met generate`, `met serve`, torchrun), what happens
+when a rank dies, and the refusals that come before any process starts.
+
+Each configuration starts its own workers (a few seconds each on two cores), so each builds one
+engine and asks it everything at once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from checkpoints import load_reference, make_checkpoint, reference_greedy
+from metrale import LLM, SamplingParams
+from metrale.distributed.launch import WorkerDiedError
+from metrale.distributed.topology import TopologyError
+from moe_checkpoints import make_moe_checkpoint
+
+NEW_TOKENS = 8
+PROMPT_LENGTHS = (1, 6, 23, 41)
+STEP_BUDGET = 16  # tokens per step: the longer prompts prefill in chunks beside the others' decodes
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CHECKPOINTS = {
+    # 4 attention heads, 2 KV heads: both divide over 2 ranks.
+    "qwen3": (make_checkpoint, "qwen3", {}),
+    # One KV head: replicated on both TP ranks.
+    "llama_kv1": (make_checkpoint, "llama", {"num_key_value_heads": 1}),
+    # 8 experts, softmax routing, layer 1 dense.
+    "qwen3_moe": (make_moe_checkpoint, "qwen3_moe", {}),
+    # 5 experts (ranges [0, 2) and [2, 5) over 2 EP ranks), one KV head, full-width q/k norms.
+    "minimax_m2_uneven": (make_moe_checkpoint, "minimax_m2", {"num_local_experts": 5, "num_key_value_heads": 1}),
+}
+
+CASES = [
+    ("qwen3", dict(tp_size=2)),
+    ("llama_kv1", dict(tp_size=2)),
+    ("llama_kv1", dict(ep_size=2)),
+    ("llama_kv1", dict(tp_size=2, ep_size=2, world_size=4)),
+    ("qwen3_moe", dict(tp_size=2)),
+    ("qwen3_moe", dict(ep_size=2)),
+    ("qwen3_moe", dict(tp_size=2, ep_size=2, world_size=4)),
+    ("qwen3_moe", dict(tp_size=2, ep_size=2, moe_expert_layout="tp")),
+    ("minimax_m2_uneven", dict(tp_size=2)),
+    ("minimax_m2_uneven", dict(ep_size=2)),
+    ("minimax_m2_uneven", dict(tp_size=2, ep_size=2, world_size=4)),
+    ("minimax_m2_uneven", dict(tp_size=2, ep_size=2)),
+]
+
+
+def _case_id(case) -> str:
+    name, sizes = case
+    return name + "-" + "-".join(f"{k.replace('_size', '')}{v}" for k, v in sizes.items())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_prompts() -> list[list[int]]:
+    return [[(37 * i + 11 * n) % 380 + 3 for i in range(n)] for n in PROMPT_LENGTHS]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+SEEDED = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=NEW_TOKENS, ignore_eos=True)
+          for i in range(len(PROMPT_LENGTHS))]
+
+
+def run(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy and seeded-sampling token ids of every prompt, each batch in one go."""
+    prompts = [{"prompt_token_ids": p} for p in make_prompts()]
+    greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    seeded = [o.outputs[0].token_ids for o in llm.generate(prompts, SEEDED, use_tqdm=False)]
+    return greedy, seeded
+
+
+def engine(path: str, **kwargs) -> LLM:
+    return LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=STEP_BUDGET, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cache = {}
+
+    def get(name: str) -> str:
+        if name not in cache:
+            make, family, overrides = CHECKPOINTS[name]
+            cache[name] = make(str(tmp_path_factory.mktemp(f"ckpt_{name}")), family, **overrides)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def references(checkpoint):
+    """name -> (transformers' greedy ids, one rank's greedy ids, one rank's seeded ids)."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            path = checkpoint(name)
+            model = load_reference(path)
+            hf = [reference_greedy(model, p, NEW_TOKENS) for p in make_prompts()]
+            greedy, seeded = run(engine(path))
+            cache[name] = hf, greedy, seeded
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_tokens_match_one_rank_and_transformers(case, checkpoint, references):
+    name, sizes = case
+    hf, single_greedy, single_seeded = references(name)
+    assert single_greedy == hf
+    llm = engine(checkpoint(name), master_port=free_port(), **sizes)
+    try:
+        assert llm.llm_engine.executor.world_size == (4 if sizes.get("world_size") == 4 else 2)
+        greedy, seeded = run(llm)
+    finally:
+        llm.llm_engine.shutdown()
+    assert greedy == hf
+    assert seeded == single_seeded
+
+
+# -- refusals before any process starts ----------------------------------------------------------
+
+
+def _assert_nothing_started():
+    assert not torch.distributed.is_initialized()
+
+
+def test_heads_that_do_not_divide_are_refused_with_the_model_and_sizes(tmp_path):
+    path = make_checkpoint(str(tmp_path / "qwen3_3heads"), "qwen3", num_attention_heads=3, num_key_value_heads=1)
+    with pytest.raises(TopologyError, match=r"^Qwen3ForCausalLM: 3 attention heads cannot be split evenly over "
+                                            r"tp_size=2; tensor-parallel sizes that divide them: 1, 3$"):
+        engine(path, tp_size=2, master_port=free_port())
+    _assert_nothing_started()
+
+
+def test_too_few_experts_for_the_ep_ranks_is_refused(checkpoint):
+    with pytest.raises(TopologyError) as e:
+        engine(checkpoint("qwen3_moe"), ep_size=16, master_port=free_port())
+    assert "Qwen3MoeForCausalLM cannot be split over tp_size=1, ep_size=16 (--moe-expert-layout ep)" in str(e.value)
+    assert "8 experts cannot be split over 16 expert-parallel ranks" in str(e.value)
+    _assert_nothing_started()
+
+
+def test_expert_layout_tp_on_a_mesh_and_bad_worlds_are_refused(checkpoint):
+    with pytest.raises(TopologyError, match="needs ep_size 1 or tp_size = ep_size = world_size; got tp_size=2, "
+                                            "ep_size=2, world_size=4"):
+        engine(checkpoint("qwen3_moe"), tp_size=2, ep_size=2, world_size=4, moe_expert_layout="tp")
+    with pytest.raises(TopologyError, match=r"world_size=3, but tp_size=2 x ep_size=1 = 2"):
+        engine(checkpoint("qwen3"), tp_size=2, world_size=3)
+    _assert_nothing_started()
+
+
+# -- ranks that die --------------------------------------------------------------------------------
+
+
+def test_a_dead_worker_is_reported_and_one_engine_at_a_time(checkpoint, references):
+    path = checkpoint("qwen3")
+    llm = engine(path, tp_size=2, master_port=free_port())
+    try:
+        prompts = [{"prompt_token_ids": p} for p in make_prompts()]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], GREEDY)] == references("qwen3")[0][:1]
+        with pytest.raises(RuntimeError, match="still holds the process groups of a multi-rank engine"):
+            engine(path, tp_size=2, master_port=free_port())
+        with pytest.raises(RuntimeError, match="still holds the process groups"):
+            engine(path)  # a single rank would build its layers sharded
+        worker = llm.llm_engine.executor.parallel.workers[0]
+        worker.process.kill()
+        worker.process.wait()
+        with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+            llm.generate(prompts, GREEDY)
+        with pytest.raises(WorkerDiedError):  # and stays dead
+            llm.generate(prompts, GREEDY)
+    finally:
+        llm.llm_engine.shutdown()
+    assert not torch.distributed.is_initialized()
+    assert [o.outputs[0].token_ids for o in engine(path).generate(prompts[:1], GREEDY)] == references("qwen3")[0][:1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pid: int, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _worker_pids(log: str) -> list[int]:
+    match = re.search(r"started \d+ worker rank\(s\): pids ([\d, ]+)", log)
+    assert match, log
+    return [int(p) for p in match.group(1).split(", ")]
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
+
+
+def test_workers_end_when_rank_zero_crashes(checkpoint):
+    script = ("import os, sys; from metrale import LLM; "
+              f"llm = LLM({checkpoint('qwen3')!r}, device='cpu', tp_size=2, master_port={free_port()}); "
+              "print('PIDS', *[w.process.pid for w in llm.llm_engine.executor.parallel.workers], flush=True); "
+              "os._exit(3)")  # no atexit, no stop message: as if killed
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_env(), timeout=120)
+    assert done.returncode == 3, done.stderr
+    pids = [int(p) for p in re.search(r"PIDS ([\d ]+)", done.stdout).group(1).split()]
+    assert all(_wait_gone(pid) for pid in pids)
+
+
+# -- the ways to start ranks -----------------------------------------------------------------------
+
+
+def _met(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "metrale.entrypoints.cli", *argv]
+
+
+def _single_rank_text(path: str, prompt: str) -> str:
+    out = engine(path).generate([prompt], SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+    return out[0].outputs[0].text
+
+
+def test_met_generate_with_tp_size(checkpoint):
+    path, prompt = checkpoint("qwen3"), "The quick brown fox"
+    done = subprocess.run(_met("generate", "--model", path, "--prompt", prompt, "--max-tokens", str(NEW_TOKENS),
+                               "--device", "cpu", "--tp-size", "2", "--master-port", str(free_port())),
+                          capture_output=True, text=True, env=_env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.rstrip("\n") == _single_rank_text(path, prompt)
+    assert all(_wait_gone(pid) for pid in _worker_pids(done.stderr))
+    assert "stopped after" in done.stderr  # the worker left its loop on the stop message
+
+
+def test_torchrun_launches_every_rank(checkpoint):
+    path, prompt = checkpoint("qwen3"), "Hello, world!"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), "-m", "metrale.distributed.worker",
+                           "generate", "--model", path, "--prompt", prompt, "--max-tokens", str(NEW_TOKENS),
+                           "--device", "cpu", "--tp-size", "2"],
+                          capture_output=True, text=True, env=_env(), timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.rstrip("\n") == _single_rank_text(path, prompt)
+    assert "worker rank(s): pids" not in done.stderr  # torchrun started the ranks; rank 0 spawned none
+
+
+def test_met_serve_with_tp_size(checkpoint, references, tmp_path):
+    import httpx
+
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen(_met("serve", "--model", checkpoint("qwen3"), "--device", "cpu", "--port", str(port),
+                                       "--tp-size", "2", "--master-port", str(free_port()),
+                                       "--max-num-batched-tokens", str(STEP_BUDGET)),
+                                  stdout=log, stderr=subprocess.STDOUT, env=_env())
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+            "prompt": make_prompts(), "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}).json()
+        assert [c["token_ids"] for c in sorted(reply["choices"], key=lambda c: c["index"])] == references("qwen3")[0]
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0, log_path.read_text()
+    finally:
+        if server.poll() is None:
+            server.kill()
+    log = log_path.read_text()
+    assert all(_wait_gone(pid) for pid in _worker_pids(log)), log
