@@ -308,3 +308,34 @@ def test_met_serve_with_tp_size(checkpoint, references, tmp_path):
             server.kill()
     log = log_path.read_text()
     assert all(_wait_gone(pid) for pid in _worker_pids(log)), log
+
+
+def _host_address() -> str | None:
+    """A non-loopback IPv4 address of this machine: rank 0 then spawns nobody, as on several hosts."""
+    try:
+        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=5).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next((a for a in out if re.fullmatch(r"\d+\.\d+\.\d+\.\d+", a) and not a.startswith("127.")), None)
+
+
+def test_ranks_started_by_hand_as_on_several_hosts(checkpoint):
+    address = _host_address()
+    if address is None:
+        pytest.skip("no non-loopback address on this machine")
+    path, prompt, port = checkpoint("qwen3"), "Hello, world!", str(free_port())
+    common = ["--model", path, "--prompt", prompt, "--max-tokens", str(NEW_TOKENS), "--device", "cpu",
+              "--tp-size", "2", "--world-size", "2", "--master-addr", address, "--master-port", port]
+    worker = subprocess.Popen([sys.executable, "-m", "metrale.distributed.worker", "generate", *common, "--rank", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    try:
+        done = subprocess.run(_met("generate", *common, "--rank", "0"), capture_output=True, text=True, env=_env(),
+                              timeout=120)
+        worker_log, _ = worker.communicate(timeout=60)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.rstrip("\n") == _single_rank_text(path, prompt)
+    assert "worker rank(s): pids" not in done.stderr  # rank 0 started nobody
+    assert worker.returncode == 0 and "rank 1: stopped after" in worker_log, worker_log
