@@ -1,8 +1,11 @@
 """Put checkpoint tensors into a model's parameters, or random ones (`--load-format dummy`).
 
-Checkpoint names map onto ours through the model's `stacked_params` (q/k/v into qkv_proj,
-gate/up into gate_up_proj); each parameter's `weight_loader` takes this rank's slice. A tensor
-the model needs but the checkpoint lacks is an error that names it.
+Checkpoint names map onto ours in three ways: a model's `checkpoint_renames` (substring
+replacements, e.g. MiniMax's `block_sparse_moe` -> `mlp`); its `stacked_params` (q/k/v into
+qkv_proj, gate/up into gate_up_proj); and MoE expert tensors (per expert or stacked by
+transformers) into a FusedMoE layer's `w13` / `w2`. Each parameter's `weight_loader` takes this
+rank's slice. A piece the model needs but the checkpoint lacks is an error that names it, down
+to the shard and the expert.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import torch
 from torch import nn
 
 from metrale.config.model_config import ModelLoadError
+from metrale.layers.moe.layer import FusedMoE
+from metrale.layers.moe.loading import expert_pieces, expert_target
 
 logger = logging.getLogger(__name__)
 
@@ -26,49 +31,76 @@ def _default_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) ->
     param.data.copy_(loaded)
 
 
-def _expected_pieces(model: nn.Module, params: dict[str, torch.Tensor]) -> set[tuple[str, object]]:
-    stacked = getattr(model, "stacked_params", [])
-    shards_of: dict[str, list] = {}
-    for ours, _, shard in stacked:
-        shards_of.setdefault(ours, []).append(shard)
-    expected = set()
-    for name in params:
-        module_name = name.rsplit(".", 2)[-2] if "." in name else name
-        for shard in shards_of.get(module_name, [None]):
-            expected.add((name, shard))
-    return expected
+class _Mapping:
+    """Where a model's parameters come from, and which pieces a complete checkpoint supplies."""
+
+    def __init__(self, model: nn.Module):
+        self.params = dict(model.named_parameters())
+        self.moe = {f"{prefix}.{p}": layer for prefix, layer in model.named_modules()
+                    if isinstance(layer, FusedMoE) for p in ("w13", "w2")}
+        self.stacked = getattr(model, "stacked_params", [])
+        self.renames = getattr(model, "checkpoint_renames", ())
+        self.skip_lm_head = getattr(model, "tied_embeddings", False)
+
+    def expected_pieces(self) -> set:
+        shards_of: dict[str, list] = {}
+        for ours, _, shard in self.stacked:
+            shards_of.setdefault(ours, []).append(shard)
+        expected = set()
+        for name in self.params:
+            if name in self.moe:
+                expected |= expert_pieces(name, self.moe[name], "w2" if name.endswith(".w2") else "w13", None)
+                continue
+            module_name = name.rsplit(".", 2)[-2] if "." in name else name
+            expected |= {(name, shard) for shard in shards_of.get(module_name, [None])}
+        return expected
+
+    def load(self, checkpoint_name: str, tensor: torch.Tensor) -> set:
+        """Copy one checkpoint tensor in; returns the pieces it supplied."""
+        name = checkpoint_name
+        for theirs, ours in self.renames:
+            name = name.replace(theirs, ours)
+        if name.endswith(_IGNORED_SUFFIXES) or (self.skip_lm_head and name.startswith("lm_head.")):
+            return set()
+        target = expert_target(name)
+        if target is not None and target[0] in self.moe:
+            param_name, shard, expert = target
+            layer = self.moe[param_name]
+            layer.weight_loader(self.params[param_name], tensor, shard, expert)
+            return expert_pieces(param_name, layer, shard, expert)
+        target_name, shard = name, None
+        for ours, theirs, shard_id in self.stacked:
+            if f".{theirs}." in name:
+                target_name, shard = name.replace(f".{theirs}.", f".{ours}."), shard_id
+                break
+        param = self.params.get(target_name)
+        if param is None:
+            logger.warning("ignoring checkpoint tensor %s: the model has no such parameter", checkpoint_name)
+            return set()
+        loader = getattr(param, "weight_loader", _default_loader)
+        loader(param, tensor) if shard is None else loader(param, tensor, shard)
+        return {(target_name, shard)}
+
+
+def _describe(name: str, shard) -> str:
+    if isinstance(shard, tuple):
+        return f"{name}[{shard[0]}, expert {shard[1]}]"
+    return f"{name}[{shard}]" if shard is not None else name
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], progress=None) -> None:
-    if hasattr(model, "load_weights"):
-        return model.load_weights(weights, progress)
-    params = dict(model.named_parameters())
-    stacked = getattr(model, "stacked_params", [])
-    skip_lm_head = getattr(model, "tied_embeddings", False)
-    loaded: set[tuple[str, object]] = set()
+    mapping = _Mapping(model)
+    loaded: set = set()
     for name, tensor in weights:
         if progress is not None:
             progress.update(1)
-        if name.endswith(_IGNORED_SUFFIXES) or (skip_lm_head and name.startswith("lm_head.")):
-            continue
-        target, shard = name, None
-        for ours, theirs, shard_id in stacked:
-            if f".{theirs}." in name:
-                target, shard = name.replace(f".{theirs}.", f".{ours}."), shard_id
-                break
-        param = params.get(target)
-        if param is None:
-            logger.warning("ignoring checkpoint tensor %s: the model has no such parameter", name)
-            continue
-        loader = getattr(param, "weight_loader", _default_loader)
         try:
-            loader(param, tensor) if shard is None else loader(param, tensor, shard)
+            loaded |= mapping.load(name, tensor)
         except ValueError as e:
             raise ModelLoadError(f"checkpoint tensor {name}: {e}") from None
-        loaded.add((target, shard))
-    missing = _expected_pieces(model, params) - loaded
+    missing = mapping.expected_pieces() - loaded
     if missing:
-        names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
+        names = sorted(_describe(n, s) for n, s in missing)
         raise ModelLoadError(f"the checkpoint is missing {len(names)} tensor(s) the model needs, e.g. "
                              f"{', '.join(names[:5])}")
 

@@ -19,7 +19,6 @@ from torch import nn
 from metrale.config.model_config import ModelConfig
 from metrale.layers.linear import ReplicatedLinear
 from metrale.layers.moe import FusedMoE
-from metrale.layers.moe.loading import load_moe_model_weights
 from metrale.layers.norm import RMSNorm
 from metrale.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from metrale.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
@@ -63,9 +62,6 @@ class MoECausalLM(LlamaForCausalLM):
 
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         raise NotImplementedError
-
-    def load_weights(self, weights, progress=None) -> None:
-        load_moe_model_weights(self, weights, progress, self.checkpoint_renames)
 
 
 class Qwen3MoeSparseBlock(nn.Module):
