@@ -100,3 +100,20 @@ def test_dummy_weights_need_no_checkpoint(checkpoint_factory, tmp_path):
     llm = LLM(str(path), device="cpu", load_format="dummy", num_kv_blocks=16)
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_auto_map_never_runs_remote_code(checkpoint_factory, tmp_path):
+    """A repo asking for remote code: its auto_map is ignored, our own class for the architecture
+    loads it, and an architecture only remote code would know is refused (reliability case 19)."""
+    path = copy_checkpoint(checkpoint_factory("llama"), tmp_path / "m")
+    marker = tmp_path / "remote_code_ran"
+    open(os.path.join(path, "modeling_evil.py"), "w").write(f"open({str(marker)!r}, 'w').write('x')\n")
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["auto_map"] = {"AutoConfig": "modeling_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.Evil"}
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    LLM(path, device="cpu", num_kv_blocks=8)
+    config["architectures"] = ["Evil"]
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(ModelLoadError, match="Evil"):
+        LLM(path, device="cpu", num_kv_blocks=8)
+    assert not marker.exists()
