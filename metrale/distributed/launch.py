@@ -148,10 +148,15 @@ def check_model_split(config, topology: Topology, expert_layout: str) -> None:
         init_moe_layout(None)
 
 
-def ensure_no_live_groups() -> None:
-    if (dist.is_available() and dist.is_initialized()) or not parallel_state.is_single_rank():
+def ensure_no_live_groups(world_size: int) -> None:
+    """One multi-rank engine per process: its groups are process-wide (layers read them when they
+    are built, and torch.distributed has one default group)."""
+    if not parallel_state.is_single_rank():
         raise RuntimeError("this process still holds the process groups of a multi-rank engine; shut that "
                            "engine down first (llm.llm_engine.shutdown())")
+    if world_size > 1 and dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process; a multi-rank engine "
+                           "creates its own process groups")
 
 
 # -- the running ranks ---------------------------------------------------------------------------
@@ -255,10 +260,10 @@ def rank_device(requested: torch.device, local_rank: int) -> torch.device:
     return device
 
 
-def spawn_workers(args, topology: Topology, device: torch.device) -> list[WorkerProcess]:
+def spawn_workers(args, topology: Topology, device: torch.device, master_port: int) -> list[WorkerProcess]:
     """Ranks 1..W-1 of a one-host launch, as fresh interpreters (never a fork of a process that may
-    hold CUDA). They get rank 0's EngineArgs as JSON, with the resolved world size."""
-    wire = dict(dataclasses.asdict(args), world_size=topology.world_size)
+    hold CUDA). They get rank 0's EngineArgs as JSON, with the resolved world size and port."""
+    wire = dict(dataclasses.asdict(args), world_size=topology.world_size, master_port=master_port)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
@@ -274,6 +279,22 @@ def spawn_workers(args, topology: Topology, device: torch.device) -> list[Worker
         workers.append(WorkerProcess(rank, subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)))
     logger.info("started %d worker rank(s): pids %s", len(workers), ", ".join(str(w.process.pid) for w in workers))
     return workers
+
+
+def _open_store(addr: str, port: int, world_size: int, is_master: bool, any_port: bool):
+    """The rendezvous: rank 0 listens, the others connect (retrying until it is up). On one host
+    only our own workers need the port, so a busy one (another engine, a previous one still
+    referenced in this process) is replaced by a free one."""
+    timeout = datetime.timedelta(seconds=STARTUP_TIMEOUT_S)
+    try:
+        return dist.TCPStore(addr, port, world_size, is_master=is_master, timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        if not (is_master and any_port):
+            where = "listen on" if is_master else "reach rank 0's rendezvous at"
+            raise RuntimeError(f"cannot {where} {addr}:{port} ({e}); pass another --master-port") from None
+    store = dist.TCPStore(addr, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    logger.info("port %d is in use; the rank rendezvous listens on %s:%d instead", port, addr, store.port)
+    return store
 
 
 def _wait_for_workers(store, workers: list[WorkerProcess]) -> None:
@@ -323,7 +344,7 @@ def start_parallel(args, config, device: torch.device, spawned: bool = False) ->
     """Resolve the topology and, above one rank, join (or start) the other ranks and set the
     groups layers use. Returns None for a single rank."""
     topology, env = topology_from_args(args)
-    ensure_no_live_groups()
+    ensure_no_live_groups(topology.world_size)
     if topology.world_size == 1:
         return None
     check_model_split(config, topology, args.moe_expert_layout)
@@ -337,13 +358,8 @@ def start_parallel(args, config, device: torch.device, spawned: bool = False) ->
                             f"this host has {torch.cuda.device_count()}")
     device = rank_device(device, local_rank)
     is_master = topology.rank == 0 and not (env is not None and env.agent_store)
-    try:
-        store = dist.TCPStore(addr, port, topology.world_size, is_master=is_master,
-                              timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False)
-    except (RuntimeError, OSError) as e:
-        where = "listen on" if is_master else "reach rank 0's rendezvous at"
-        raise RuntimeError(f"cannot {where} {addr}:{port} ({e}); pass another --master-port") from None
-    workers = spawn_workers(args, topology, device) if spawn else []
+    store = _open_store(addr, port, topology.world_size, is_master, any_port=spawn)
+    workers = spawn_workers(args, topology, device, store.port) if spawn else []
     try:
         if workers:
             _wait_for_workers(store, workers)
