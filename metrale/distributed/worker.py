@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -95,7 +96,10 @@ def serve_steps(runner, channel: StepChannel) -> int:
 
 
 def _watch_parent(parent_pid: int) -> None:
-    """A worker rank 0 spawned ends when rank 0 is gone, even if no collective notices."""
+    """A worker rank 0 spawned ends when rank 0 is gone, even if no collective notices. Ctrl-C in
+    a terminal reaches the whole process group: rank 0 handles it and stops the workers itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     def watch():
         while True:
             if os.getppid() != parent_pid:
