@@ -18,6 +18,8 @@ on the CPU for the step plans rank 0 broadcasts. The TP/EP/world groups go into
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import datetime
 import ipaddress
@@ -105,17 +107,11 @@ def moe_reduce_group(topology: Topology, expert_layout: str) -> parallel_state.T
 
 
 def moe_layout(topology: Topology, expert_layout: str):
-    """This rank's MoEParallelLayout. layout_for_topology takes tp == ep for overlapping groups
-    whatever the world size, so a tp x ep mesh with tp == ep (world = tp * tp) is built here:
-    expert range from the EP rank, sliced inside by the TP rank, summed over the world."""
-    from metrale.layers.moe.parallel import MoEParallelLayout, layout_for_topology
+    """This rank's MoEParallelLayout, summed over the group the layout needs."""
+    from metrale.layers.moe.parallel import layout_for_topology
 
-    group = moe_reduce_group(topology, expert_layout)
-    if expert_layout == "ep" and topology.tp_size == topology.ep_size > 1 and not topology.overlapping:
-        return MoEParallelLayout(tp_rank=topology.tp_rank, tp_size=topology.tp_size, ep_rank=topology.ep_rank,
-                                 ep_size=topology.ep_size, reduce_group=group)
     return layout_for_topology(topology.tp_rank, topology.tp_size, topology.ep_rank, topology.ep_size,
-                               expert_layout, group)
+                               expert_layout, moe_reduce_group(topology, expert_layout), topology.world_size)
 
 
 def _init_moe_layout(topology: Topology, expert_layout: str) -> None:
@@ -124,28 +120,37 @@ def _init_moe_layout(topology: Topology, expert_layout: str) -> None:
     init_moe_layout(moe_layout(topology, expert_layout))
 
 
-def check_model_split(config, topology: Topology, expert_layout: str) -> None:
-    """Refuse, before any process starts, a model this topology cannot split: the head counts,
-    then a dry build on the meta device with this rank's shard sizes (expert ranges, intermediate
-    slices), whose complaints are given the architecture and the sizes."""
+@contextlib.contextmanager
+def shard_sizes_of(topology: Topology, expert_layout: str):
+    """Layers built inside take `topology`'s rank's shard sizes (no process group exists: build
+    them on the meta device, to check a split or to plan a rank's memory)."""
     from metrale.layers.moe.parallel import init_moe_layout
-    from metrale.models.registry import get_model_class
 
-    check_expert_layout(topology, expert_layout)
-    check_attention_heads(config.architecture, config.num_attention_heads, config.num_kv_heads, topology.tp_size)
     parallel_state.init_tensor_parallel(topology.tp_rank, topology.tp_size)
     parallel_state.init_expert_parallel(topology.ep_rank, topology.ep_size)
     parallel_state.init_world_group(topology.rank, topology.world_size)
     try:
         _init_moe_layout(topology, expert_layout)
-        with torch.device("meta"):
+        yield
+    finally:
+        parallel_state.reset_parallel_state()
+        init_moe_layout(None)
+
+
+def check_model_split(config, topology: Topology, expert_layout: str) -> None:
+    """Refuse, before any process starts, a model this topology cannot split: the head counts,
+    then a dry build on the meta device with this rank's shard sizes (expert ranges, intermediate
+    slices), whose complaints are given the architecture and the sizes."""
+    from metrale.models.registry import get_model_class
+
+    check_expert_layout(topology, expert_layout)
+    check_attention_heads(config.architecture, config.num_attention_heads, config.num_kv_heads, topology.tp_size)
+    try:
+        with shard_sizes_of(topology, expert_layout), torch.device("meta"):
             get_model_class(config.architecture)(config)
     except ValueError as e:
         raise TopologyError(f"{config.architecture} cannot be split over tp_size={topology.tp_size}, "
                             f"ep_size={topology.ep_size} (--moe-expert-layout {expert_layout}): {e}") from None
-    finally:
-        parallel_state.reset_parallel_state()
-        init_moe_layout(None)
 
 
 def ensure_no_live_groups(world_size: int) -> None:

@@ -9,13 +9,29 @@ import sys
 from metrale.config.engine_args import EngineArgs
 
 
+def _follow_rank_0(engine_args: EngineArgs) -> int | None:
+    """A non-zero rank (--rank R, or torchrun's RANK) runs rank 0's step plans instead of the
+    command; returns its exit status, or None on rank 0."""
+    from metrale.distributed.launch import topology_from_args
+
+    topology, _ = topology_from_args(engine_args)
+    if topology.rank == 0:
+        return None
+    from metrale.distributed.worker import run_worker
+
+    return run_worker(engine_args)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from metrale.engine.errors import InvalidRequestError
     from metrale.entrypoints.llm import LLM
     from metrale.engine.sampling_params import SamplingParams
 
     engine_args = EngineArgs.from_cli_args(args)
-    llm = LLM(**{k: v for k, v in vars(engine_args).items()})
+    worker_status = _follow_rank_0(engine_args)
+    if worker_status is not None:
+        return worker_status
+    llm = LLM(**vars(engine_args))
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed_sampling)
         out = llm.generate([args.prompt], params, use_tqdm=False)[0]
@@ -40,7 +56,13 @@ def _memory_plan(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(engine_args.model, engine_args.load_format)
     config = load_model_config(model_dir, engine_args.dtype, device, engine_args.max_model_len,
                                supported_architectures())
-    plan = plan_memory(engine_args, config, device, device_total)
+    from metrale.distributed.launch import shard_sizes_of, topology_from_args
+
+    topology, _ = topology_from_args(engine_args)
+    with shard_sizes_of(topology, engine_args.moe_expert_layout):  # rank 0's shard when split
+        plan = plan_memory(engine_args, config, device, device_total)
+    if topology.world_size > 1:
+        plan.notes.append(f"per rank: rank 0 of {topology.describe()}")
     try:
         fit_kv_blocks(plan, engine_args.num_kv_blocks)
     except MemoryPlanError as e:
@@ -79,7 +101,8 @@ def _bench(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from metrale.entrypoints.server.app import run_server
 
-    return run_server(args)
+    worker_status = _follow_rank_0(EngineArgs.from_cli_args(args))
+    return worker_status if worker_status is not None else run_server(args)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -329,7 +329,7 @@ def test_ranks_started_by_hand_as_on_several_hosts(checkpoint):
     path, prompt, port = checkpoint("qwen3"), "Hello, world!", str(free_port())
     common = ["--model", path, "--prompt", prompt, "--max-tokens", str(NEW_TOKENS), "--device", "cpu",
               "--tp-size", "2", "--world-size", "2", "--master-addr", address, "--master-port", port]
-    worker = subprocess.Popen([sys.executable, "-m", "metrale.distributed.worker", "generate", *common, "--rank", "1"],
+    worker = subprocess.Popen(_met("generate", *common, "--rank", "1"),  # a non-zero rank: no generate, steps
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
     try:
         done = subprocess.run(_met("generate", *common, "--rank", "0"), capture_output=True, text=True, env=_env(),

@@ -83,3 +83,16 @@ def test_met_memory_plan_prints_the_plan(capsys):
     assert "KV bytes per token     147,456" in out and "weights                15.26 GiB" in out
     assert main(["memory-plan", "--model", "Llama-3.1-8B", "--load-format", "dummy",
                  "--device-memory-gib", "16"]) == 1
+
+
+def test_met_memory_plan_per_rank_when_split(capsys):
+    from metrale.entrypoints.cli import main
+
+    assert main(["memory-plan", "--model", "Qwen3-8B", "--load-format", "dummy", "--device-memory-gib", "139.8",
+                 "--tp-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "weights                7.63 GiB" in out and "KV bytes per token     73,728" in out
+    assert "per rank: rank 0 of" in out
+    from metrale.distributed.parallel_state import is_single_rank
+
+    assert is_single_rank()  # the planning left no parallel state behind

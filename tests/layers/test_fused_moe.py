@@ -127,6 +127,9 @@ def test_layouts_of_serve_topologies():
     # Orthogonal mesh (world = tp x ep): the EP rank picks the range, the TP rank slices it.
     layout = layout_for_topology(1, 2, 0, 4, "ep")
     assert (layout.expert_range(8), layout.intermediate_slice(48)) == ((0, 2), (24, 48))
+    # A mesh with tp == ep (world 4 = 2 x 2) is not overlapping: range by EP rank, sliced by TP rank.
+    mesh = layout_for_topology(1, 2, 1, 2, "ep", world_size=4)
+    assert (mesh.expert_range(8), mesh.intermediate_slice(48)) == ((4, 8), (24, 48))
     with pytest.raises(ValueError, match="ep_size 1 or ep_size == tp_size"):
         layout_for_topology(0, 2, 0, 4, "tp")
     with pytest.raises(ValueError, match="not divisible"):

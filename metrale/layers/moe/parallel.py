@@ -67,10 +67,12 @@ def init_moe_layout(layout: MoEParallelLayout | None) -> None:
 
 
 def layout_for_topology(tp_rank: int, tp_size: int, ep_rank: int, ep_size: int, expert_layout: str = "ep",
-                        reduce_group: TensorParallelGroup | None = None) -> MoEParallelLayout:
+                        reduce_group: TensorParallelGroup | None = None,
+                        world_size: int | None = None) -> MoEParallelLayout:
     """The MoE layout of one rank of a serve topology (EngineArgs tp_size, ep_size, moe_expert_layout).
 
-    - overlapping groups (tp == ep == world > 1), layout "ep": rank r owns expert range r, whole;
+    - overlapping groups (tp == ep == world > 1; `world_size` defaults to tp_size, the overlapping
+      case), layout "ep": rank r owns expert range r, whole;
     - any topology, layout "tp" (needs ep_size 1 or overlapping groups): every expert on every
       rank, its intermediate dimension sliced over the TP ranks;
     - orthogonal mesh (world = tp x ep), layout "ep": the EP rank picks the expert range and the
@@ -78,7 +80,8 @@ def layout_for_topology(tp_rank: int, tp_size: int, ep_rank: int, ep_size: int, 
     `reduce_group` must span every rank whose partial output belongs to the sum: the TP group for
     overlapping groups, the whole world for a mesh. Tokens must be the same on all of them."""
     group = reduce_group or get_tp_group()
-    overlapping = tp_size == ep_size > 1
+    world_size = tp_size if world_size is None else world_size
+    overlapping = tp_size == ep_size == world_size > 1  # tp == ep in a world of tp x ep is a mesh
     if expert_layout == "tp":
         if ep_size > 1 and not overlapping:
             raise ValueError(f"MoE expert layout tp needs ep_size 1 or ep_size == tp_size; got tp {tp_size}, "
