@@ -105,33 +105,20 @@ class ModelRunner:
         """Peak transient memory of the largest step, measured on CUDA: a forward pass over
         `num_tokens` tokens (as sequences of at most `max_model_len`), then logits and the sampler
         for `num_sampled` rows. A throwaway KV cache just large enough is used and freed."""
-        from metrale.engine.scheduler_output import NewRequestData, SchedulerOutput
-
         lengths = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
-        blocks_each = [-(-n // self.block_size) for n in lengths]
-        self.allocate_kv_cache(sum(blocks_each))
-        plan, first_block = SchedulerOutput(), 0
-        for i, n in enumerate(lengths):
-            rid = f"__profile_{i}"
-            plan.new_requests.append(NewRequestData(
-                rid, [1] * n, n, SamplingParams(temperature=1.0, top_p=0.9), 0,
-                list(range(first_block, first_block + blocks_each[i])), 0))
-            plan.num_scheduled_tokens[rid] = n
-            first_block += blocks_each[i]
-        self._apply_plan(plan)
+        self.allocate_kv_cache(sum(-(-n // self.block_size) for n in lengths))
+        plan = self._prefill_plan([[1] * n for n in lengths], "__profile")
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        batch = self.prepare_inputs(plan)
-        with set_forward_context(ForwardContext(batch.metadata, self.backend)):
-            hidden = self.model(batch.input_ids, batch.positions)
+        hidden = self._forward_whole(plan)
         rows = min(num_sampled, hidden.shape[0])
         logits = self.model.compute_logits(hidden[:rows])
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
         sample(logits, [SamplingRow(params, i, [1], 1) for i in range(rows)])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        del hidden, logits, batch
+        del hidden, logits
         self.requests.clear()
         self.release_kv_cache()
         return peak
@@ -140,22 +127,11 @@ class ModelRunner:
     def calibrate_kv_scales(self, token_ids: list[int], headroom: float, max_model_len: int) -> None:
         """Set each fp8 layer's K and V scale from the largest values a forward pass over
         `token_ids` produces (in chunks of at most max_model_len): amax x headroom maps to 448."""
-        from metrale.engine.scheduler_output import NewRequestData, SchedulerOutput
-
         layers = self.attention_layers()
         for layer in layers:
             layer.observed_amax = [0.0, 0.0]
-        chunks = [token_ids[i:i + max_model_len] for i in range(0, len(token_ids), max_model_len)]
-        for i, chunk in enumerate(chunks):
-            blocks = -(-len(chunk) // self.block_size)
-            plan = SchedulerOutput(new_requests=[NewRequestData(f"__calibrate_{i}", chunk, len(chunk),
-                                                                SamplingParams(temperature=0), 0,
-                                                                list(range(blocks)), 0)],
-                                   num_scheduled_tokens={f"__calibrate_{i}": len(chunk)})
-            self._apply_plan(plan)
-            batch = self.prepare_inputs(plan)
-            with set_forward_context(ForwardContext(batch.metadata, self.backend)):
-                self.model(batch.input_ids, batch.positions)
+        for start in range(0, len(token_ids), max_model_len):  # one sequence at a time, from block 0
+            self._forward_whole(self._prefill_plan([token_ids[start:start + max_model_len]], "__calibrate"))
             self.requests.clear()
         for layer, dtype in zip(layers, self.kv_cache_dtypes):
             k_amax, v_amax = layer.observed_amax
@@ -163,6 +139,27 @@ class ModelRunner:
             if dtype == torch.float8_e4m3fn:
                 layer.k_scale = max(k_amax * headroom / 448.0, 1e-6)
                 layer.v_scale = max(v_amax * headroom / 448.0, 1e-6)
+
+    def _prefill_plan(self, sequences: list[list[int]], tag: str) -> SchedulerOutput:
+        """A plan computing whole `sequences` at once, laid out in consecutive blocks from block 0
+        (startup passes only: nothing else holds the pool then)."""
+        from metrale.engine.scheduler_output import NewRequestData
+
+        plan, first_block = SchedulerOutput(), 0
+        for i, tokens in enumerate(sequences):
+            blocks = -(-len(tokens) // self.block_size)
+            plan.new_requests.append(NewRequestData(f"{tag}_{i}", tokens, len(tokens), SamplingParams(temperature=0),
+                                                    0, list(range(first_block, first_block + blocks)), 0))
+            plan.num_scheduled_tokens[f"{tag}_{i}"] = len(tokens)
+            first_block += blocks
+        return plan
+
+    def _forward_whole(self, plan: SchedulerOutput) -> torch.Tensor:
+        """The hidden states of every token of a startup plan (no sampling)."""
+        self._apply_plan(plan)
+        batch = self.prepare_inputs(plan)
+        with set_forward_context(ForwardContext(batch.metadata, self.backend)):
+            return self.model(batch.input_ids, batch.positions)
 
     def release_kv_cache(self) -> None:
         for layer in self.attention_layers():
