@@ -79,6 +79,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in 0..{vocab - 1}", "prompt")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(f"logit_bias keys must be token ids in 0..{vocab - 1}", "logit_bias")
         limit = self.model_config.max_model_len
         max_tokens = params.max_tokens
         if max_tokens is None:

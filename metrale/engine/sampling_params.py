@@ -16,6 +16,7 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
 _INT64_MAX = 2**63 - 1
 
 
@@ -58,6 +59,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # "cumulative": an output after every step, text and ids so far; "final_only": one output,
@@ -109,10 +111,21 @@ class SamplingParams:
                f"output_kind must be 'cumulative' or 'final_only', got {self.output_kind!r}")
         _check(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            _check(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias",
+                   f"logit_bias must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids to numbers")
+            _check(all(_is_int(k) and k >= 0 and _is_number(v) and -100.0 <= v <= 100.0 for k, v in bias.items()),
+                   "logit_bias", "logit_bias must map token ids (integers >= 0) to numbers in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether the sampler must edit this request's logits before choosing."""
+        return self.has_penalties or bool(self.min_tokens) or bool(self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:

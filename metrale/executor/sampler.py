@@ -1,7 +1,7 @@
 """The sampler: from the last position's logits to one token per request, where the logits are.
 
-Order, as vLLM: logprobs of the raw model output; min_tokens masking of stop ids; repetition,
-frequency and presence penalties; then greedy argmax, or temperature, top-k, top-p and min-p
+Order, as vLLM: logprobs of the raw model output; min_tokens masking of stop ids; logit_bias;
+repetition, frequency and presence penalties; then greedy argmax, or temperature, top-k, top-p and min-p
 and a draw. Every draw comes from a stream keyed by (request seed, output index), so a request's
 tokens do not depend on its batch or on being preempted and recomputed.
 """
@@ -53,6 +53,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             banned = list(set(p.stop_token_ids) | (set() if p.ignore_eos else set(p.eos_token_ids)))
             if banned:
                 logits[i, banned] = float("-inf")
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
         if not p.has_penalties:
             continue
         vocab = logits.shape[1]
@@ -136,7 +139,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     logits = logits.float()
     want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
-    if any(r.params.has_penalties or r.params.min_tokens for r in rows):
+    if any(r.params.changes_logits for r in rows):
         logits = logits.clone()
         _apply_penalties(logits, rows)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -300,3 +300,12 @@ def test_return_token_ids(api_server):
     chat = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, "temperature": 0,
                                                    "return_token_ids": True}).json()
     assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+
+
+def test_logit_bias_steers_the_reply(api_server):
+    client = api_server.client()
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0,
+                                    logit_bias={"42": 100}, extra_body={"return_token_ids": True,
+                                                                        "ignore_eos": True})
+    assert out.choices[0].token_ids == [42, 42, 42]

@@ -64,7 +64,6 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSG, "logit_bias": {"-1": 1}}, "logit_bias"),
     (CHAT, {"messages": MSG, "logit_bias": {"1.0": 1}}, "logit_bias"),
     (CHAT, {"messages": MSG, "logit_bias": {"5": 1e9}}, "logit_bias"),
-    (COMP, {"prompt": "Hi", "logit_bias": {"5": 1}}, "logit_bias"),  # valid, but not supported yet
     # case 9: empty input
     (COMP, {"prompt": ""}, "prompt"),
     (COMP, {"prompt": []}, "prompt"),

@@ -119,3 +119,28 @@ def test_bad_params_name_their_field(field, value):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**{field: value})
     assert e.value.param == field
+
+
+def test_logit_bias_forces_and_bans_tokens(llm):
+    prompt = {"prompt_token_ids": PROMPTS[1]}
+    greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0]
+    forced = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                 logit_bias={7: 100.0}))[0].outputs[0]
+    assert forced.token_ids == [7, 7, 7, 7]
+    banned = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                 logit_bias={greedy.token_ids[0]: -100.0}))[0].outputs[0]
+    assert banned.token_ids[0] != greedy.token_ids[0]
+    sampled = llm.generate(prompt, SamplingParams(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True,
+                                                  logit_bias={9: 100.0}))[0].outputs[0]
+    assert sampled.token_ids == [9] * 6
+
+
+def test_logit_bias_is_validated(llm):
+    from metrale.engine.errors import InvalidRequestError
+
+    with pytest.raises(SamplingParamsError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 1e9})
+    with pytest.raises(SamplingParamsError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0})
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(logit_bias={10**6: 1.0}))

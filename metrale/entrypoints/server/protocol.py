@@ -88,7 +88,7 @@ class SamplingFields(_Strict):
         n = 1 if self.n is None else self.n
         if not 1 <= n <= max_n:
             raise bad_request(f"n must be in 1..{max_n} on this server, got {n}", "n")
-        check_logit_bias(self.logit_bias, vocab_size)
+        logit_bias = check_logit_bias(self.logit_bias, vocab_size)
         stop_token_ids = self.stop_token_ids or []
         if len(stop_token_ids) > MAX_STOP_TOKEN_IDS or any(not 0 <= t < vocab_size for t in stop_token_ids):
             raise bad_request(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} ids in 0..{vocab_size - 1}",
@@ -103,20 +103,20 @@ class SamplingFields(_Strict):
         }
         fields = {k: v for k, v in given.items() if v is not None}
         return SamplingParams(n=n, max_tokens=max_tokens, logprobs=logprobs, stop=self.stop,
-                              stop_token_ids=stop_token_ids, **fields)
+                              stop_token_ids=stop_token_ids, logit_bias=logit_bias, **fields)
 
 
-def check_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> None:
-    """Reliability case 8: every malformed logit_bias is a 400 naming it. A valid, non-empty one
-    is refused too: the sampler does not apply biases yet."""
+def check_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """Reliability case 8: every malformed logit_bias is a 400 naming it. OpenAI's keys are token
+    ids as strings; the engine's are ints."""
     if not logit_bias:
-        return
+        return None
     for key, value in logit_bias.items():
         if not _LOGIT_BIAS_KEY.match(key) or int(key) >= vocab_size:
             raise bad_request(f"logit_bias keys must be token ids in 0..{vocab_size - 1}, got {key!r}", "logit_bias")
         if not -100.0 <= value <= 100.0:
             raise bad_request(f"logit_bias values must be in [-100, 100], got {value!r}", "logit_bias")
-    raise bad_request("logit_bias is not supported yet", "logit_bias")
+    return {int(key): float(value) for key, value in logit_bias.items()}
 
 
 def check_max_tokens(value: int | None, param: str) -> None:
