@@ -167,6 +167,7 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.engine = None  # the LLMEngine, once loaded; only the engine thread calls into it
         self.snapshot = EngineSnapshot()
+        self.step_started: float | None = None  # when the step in progress began (engine thread writes)
         self._cond = threading.Condition()
         self._inbox: list[_Add | _Abort] = []
         self._stopping = False
@@ -349,6 +350,11 @@ class AsyncEngine:
             return
         self.state = EngineState.STOPPED
 
+    def stalled_for(self) -> float:
+        """Seconds the step in progress has been running (0 between steps)."""
+        started = self.step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def _serve(self) -> None:
         engine = self.engine
         while True:
@@ -360,7 +366,9 @@ class AsyncEngine:
                 commands, self._inbox = self._inbox, []
             accepted, aborted = self._apply(commands)
             stepped = engine.has_unfinished_requests()
+            self.step_started = time.monotonic() if stepped else None
             outputs = engine.step() if stepped else []
+            self.step_started = None
             if outputs:
                 self.observer.on_outputs(outputs, time.monotonic())
             if stepped or aborted:

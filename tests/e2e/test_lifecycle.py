@@ -137,3 +137,19 @@ def test_engine_death_fails_requests_and_exits_nonzero(start):
     assert server.proc.wait(5) == 1
     assert time.monotonic() - died < 5
     assert "injected engine failure" in server.log()
+
+
+def test_a_stalled_step_turns_health_503_until_it_ends(start):
+    """Case 24: one step hangs; /health reports it within the stall timeout, then recovers."""
+    server = start("--stall-timeout", "1", script=os.path.join(HERE, "stall_server.py"))
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    done = []
+    thread = threading.Thread(target=lambda: done.append(httpx.post(
+        server.url + "/v1/completions", json={"prompt": "STALL_ENGINE", "max_tokens": 2}, timeout=30)))
+    thread.start()
+    assert wait_for(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 503, timeout=3.5)
+    stalled = httpx.get(server.url + "/health", timeout=5).json()
+    assert stalled["error"]["code"] == "engine_stalled"
+    thread.join(30)
+    assert done and done[0].status_code == 200
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200

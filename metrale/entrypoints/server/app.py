@@ -60,7 +60,7 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(GateMiddleware, state=state)
 
-    @app.get("/health", summary="200 when ready; 503 while loading, draining, or after the engine died")
+    @app.get("/health", summary="200 when ready; 503 while loading, draining, stalled, or after the engine died")
     async def health() -> Response:
         lifecycle, engine = state.lifecycle, state.engine
         if engine.state in (EngineState.DEAD, EngineState.FAILED, EngineState.STOPPED):
@@ -69,6 +69,9 @@ def build_app(state: ServerState) -> FastAPI:
             return error_response(503, "the server is shutting down", code="shutting_down")
         if not lifecycle.ready:
             return error_response(503, "the model is loading", code="loading", headers={"Retry-After": "1"})
+        stalled = engine.stalled_for()
+        if state.config.stall_timeout and stalled > state.config.stall_timeout:
+            return error_response(503, f"the engine has been inside one step for {stalled:.0f} s", code="engine_stalled")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models", summary="The served model")

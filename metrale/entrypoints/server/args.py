@@ -30,6 +30,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="Largest request line plus headers; larger ones get 431")
     group.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                        help="Log one line per HTTP request")
+    group.add_argument("--stall-timeout", type=float, default=120.0,
+                       help="GET /health answers 503 while one engine step has run longer than this many seconds "
+                            "(0: never)")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class ServerConfig:
     max_body_bytes: int
     max_header_bytes: int
     access_log: bool
+    stall_timeout: float = 120.0
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerConfig":
@@ -59,9 +63,10 @@ class ServerConfig:
             (args.max_header_bytes >= 1024,
              f"--max-header-bytes must be at least 1024, got {args.max_header_bytes}"),
             (args.api_key is None or args.api_key != "", "--api-key must not be empty"),
+            (args.stall_timeout >= 0, f"--stall-timeout must be >= 0, got {args.stall_timeout}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
         return cls(args.host, args.port, name, args.api_key, args.max_waiting, args.shutdown_timeout, args.max_n,
-                   args.max_body_bytes, args.max_header_bytes, args.access_log)
+                   args.max_body_bytes, args.max_header_bytes, args.access_log, args.stall_timeout)
