@@ -52,6 +52,9 @@ class LLMEngine:
                                    max_model_len=self.model_config.max_model_len,
                                    enable_prefix_caching=args.enable_prefix_caching)
         self.outputs = OutputProcessor(self.tokenizer)
+        # The launched step whose result is not applied yet (asynchronous scheduling only).
+        self._inflight = None
+        self._async = args.async_scheduling and self.executor.supports_async
         self._seed_rng = random.Random(args.seed)
         self._children: dict[str, list[str]] = {}
 
@@ -117,7 +120,7 @@ class LLMEngine:
         self.outputs.parents.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._inflight is not None
 
     def shutdown(self) -> None:
         """Stop the worker ranks of a multi-rank engine (a no-op on one rank); no step after it."""
@@ -126,11 +129,34 @@ class LLMEngine:
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        plan, ended = self.scheduler.schedule()
-        result = self.executor.execute(plan)
+        """schedule -> execute -> update. With asynchronous scheduling, step N is launched before
+        step N-1's tokens are read back and applied, so the host plans while the device works."""
         touched: list[str] = []
+        plan, ended = self.scheduler.schedule()
         for request in ended:
             self._finish(request, touched)
+        if self._inflight is not None and self._needs_real_tokens(plan):
+            self._complete(*self._inflight, touched)
+            self._inflight = None
+        pending = self.executor.execute_async(plan)
+        if self._inflight is not None:
+            self._complete(*self._inflight, touched)
+        self._inflight = None
+        if self._async and not plan.is_empty:
+            self._inflight = (plan, pending)
+        else:
+            self._complete(plan, pending, touched)
+        outputs = (self._output(parent_id) for parent_id in dict.fromkeys(touched))
+        return [out for out in outputs if out is not None]
+
+    def _needs_real_tokens(self, plan) -> bool:
+        """Penalties read the previous tokens' values: such a step waits for the one in flight."""
+        requests = self.scheduler.requests
+        return any(requests[rid].sampling_params.has_penalties for rid in plan.num_scheduled_tokens
+                   if rid in requests)
+
+    def _complete(self, plan, pending, touched: list[str]) -> None:
+        result = pending.result()
         for request, new_tokens in self.scheduler.update(plan, result):
             stop = self.outputs.process_tokens(request, new_tokens, result.logprobs.get(request.request_id))
             if stop is not None:
@@ -139,8 +165,6 @@ class LLMEngine:
                 self._finish(request, touched)
             else:
                 touched.append(self.outputs.parent_of(request.request_id))
-        outputs = (self._output(parent_id) for parent_id in dict.fromkeys(touched))
-        return [out for out in outputs if out is not None]
 
     def _finish(self, request: Request, touched: list[str]) -> None:
         parent_id = self.outputs.parent_of(request.request_id)

@@ -117,10 +117,13 @@ class KVCacheManager:
 
     # -- the prefix cache ----------------------------------------------------------------------
 
-    def _full_block_hashes(self, request_id: str, token_ids: list[int], extra_keys: tuple) -> list[bytes]:
+    def _full_block_hashes(self, request_id: str, token_ids: list[int], extra_keys: tuple,
+                           num_tokens: int | None = None) -> list[bytes]:
+        """Hashes of the full blocks among the first `num_tokens` (default: all) of `token_ids`."""
         hashes = self._hashes.setdefault(request_id, [])
         bs = self.block_size
-        while (len(hashes) + 1) * bs <= len(token_ids):
+        limit = len(token_ids) if num_tokens is None else num_tokens
+        while (len(hashes) + 1) * bs <= limit:
             i = len(hashes)
             hashes.append(block_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], extra_keys))
         return hashes
@@ -139,7 +142,8 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int,
                           extra_keys: tuple = ()) -> None:
-        """Register the request's blocks that are full and computed, for later requests."""
+        """Register the request's blocks that are full and computed, for later requests.
+        `num_computed_tokens` must not reach past tokens whose values are known."""
         if not self.enable_prefix_caching:
             return
         table = self.block_tables.get(request_id, [])
@@ -147,7 +151,7 @@ class KVCacheManager:
         full = min(num_computed_tokens // self.block_size, len(table))
         if full <= done:
             return
-        hashes = self._full_block_hashes(request_id, token_ids, extra_keys)
+        hashes = self._full_block_hashes(request_id, token_ids, extra_keys, num_computed_tokens)
         for i in range(done, full):
             self.pool.register(table[i], hashes[i])
         self._num_cached[request_id] = full

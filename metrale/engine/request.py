@@ -8,6 +8,11 @@ import time
 from metrale.engine.sampling_params import SamplingParams
 
 
+# A token a launched step sampled whose value the host has not read yet (asynchronous scheduling).
+# Placeholders only ever trail a request's tokens.
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -38,6 +43,7 @@ class Request:
         self.seed = seed
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.num_computed_tokens = 0
+        self.num_pending = 0  # trailing placeholders
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None
@@ -51,8 +57,23 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
-    def append_output_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
+    def add_placeholder(self) -> None:
+        self.token_ids.append(PLACEHOLDER)
+        self.num_pending += 1
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """The oldest pending token's value arrived."""
+        self.token_ids[len(self.token_ids) - self.num_pending] = token_id
+        self.num_pending -= 1
+
+    def drop_placeholders(self) -> None:
+        if self.num_pending:
+            del self.token_ids[-self.num_pending:]
+            self.num_pending = 0
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_pending
 
     @property
     def num_tokens(self) -> int:

@@ -71,6 +71,7 @@ class Scheduler:
         return request
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.drop_placeholders()  # the steps that would have computed them are not its concern now
         request.status = status
         self.kv.free(request.request_id)
         self.requests.pop(request.request_id, None)
@@ -112,6 +113,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self._awaits_last_token(request):
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             new_blocks, preempted_others = self._allocate_or_preempt(request, num_new)
             preempted_this_step |= preempted_others
@@ -130,6 +134,7 @@ class Scheduler:
             out.cached_requests.append(
                 CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
             out.num_scheduled_tokens[request.request_id] = num_new
+            self._advance(request, num_new)
             budget -= num_new
             index += 1
 
@@ -186,7 +191,25 @@ class Scheduler:
             request.request_id, list(request.token_ids), request.num_prompt_tokens, request.sampling_params,
             request.seed, list(self.kv.get_block_table(request.request_id)), num_cached))
         out.num_scheduled_tokens[request.request_id] = num_new
+        self._advance(request, num_new)
         return num_new
+
+    @staticmethod
+    def _advance(request: Request, num_new: int) -> None:
+        """Computation is counted when planned; a chunk that reaches the end of the sequence
+        samples a token, held as a placeholder until the step's result arrives."""
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens == request.num_tokens:
+            request.add_placeholder()
+
+    def _awaits_last_token(self, request: Request) -> bool:
+        """A request whose pending token will be its last (max_tokens or the context length): no
+        more steps until that token's result ends it."""
+        if not request.num_pending:
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        return ((max_tokens is not None and request.num_output_tokens >= max_tokens)
+                or request.num_tokens >= self.max_model_len)
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[list[int] | None, bool]:
         """Blocks for `num_new` more tokens, preempting the newest other requests while short.
@@ -209,27 +232,26 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[tuple[Request, list[int]]]:
         """Apply a step's result. Returns (request, new token ids) for each request that sampled."""
         updates: list[tuple[Request, list[int]]] = []
-        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+        for request_id in plan.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += num_tokens
-            self.kv.cache_full_blocks(request_id, request.token_ids, request.num_computed_tokens,
-                                      request.extra_keys)
             token = result.sampled_token_ids.get(request_id)
+            if token is not None:
+                request.resolve_placeholder(token)
+            self.kv.cache_full_blocks(request_id, request.token_ids,
+                                      min(request.num_computed_tokens, request.num_known_tokens), request.extra_keys)
             if token is None:
                 continue  # a prefill chunk that does not reach the end of the prompt
-            request.append_output_token(token)
             updates.append((request, [token]))
             status = self._check_stop(request, token)
             if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
+                self.finish_request(request_id, status, request.stop_reason)
         return updates
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
-        num_out = request.num_output_tokens
+        num_out = request.num_known_tokens - request.num_prompt_tokens
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token in params.eos_token_ids:
                 request.stop_reason = None
@@ -239,7 +261,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and num_out >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if request.num_known_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

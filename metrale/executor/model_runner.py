@@ -17,11 +17,15 @@ from metrale.config.model_config import ModelConfig
 from metrale.engine.sampling_params import SamplingParams
 from metrale.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from metrale.executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from metrale.executor.sampler import SamplingRow, sample
+from metrale.executor.sampler import SampledTokens, SamplingRow, sample, sample_tokens
 from metrale.layers.attention.backend import get_backend
 from metrale.layers.attention.layer import Attention
 
 logger = logging.getLogger(__name__)
+
+# A token sampled by a step whose result has not been read back yet (asynchronous scheduling):
+# its value is on the device, and the next step's input takes it from there.
+PLACEHOLDER = -1
 
 
 @dataclass
@@ -43,6 +47,43 @@ class BatchInputs:
     sampled_request_ids: list[str]
 
 
+class PendingOutput:
+    """A launched step's sampled tokens, copied to the host without blocking. `result()` waits for
+    them, writes them over the runner's placeholders, and builds the ModelRunnerOutput."""
+
+    def __init__(self, runner: "ModelRunner", request_ids: list[str], positions: list[int],
+                 sampled: SampledTokens | None):
+        self.runner, self.request_ids, self.positions, self.sampled = runner, request_ids, positions, sampled
+        self._result: ModelRunnerOutput | None = None
+        self._host = self._event = None
+        if sampled is not None and sampled.tokens.is_cuda:
+            self._host = torch.empty(sampled.tokens.shape, dtype=torch.int64, pin_memory=True)
+            self._host.copy_(sampled.tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> ModelRunnerOutput:
+        if self._result is not None:
+            return self._result
+        out = ModelRunnerOutput()
+        if self.sampled is not None:
+            if self._event is not None:
+                self._event.synchronize()
+                tokens = self._host.tolist()
+            else:
+                tokens = self.sampled.tokens.tolist()
+            logprobs = self.sampled.logprobs(tokens)
+            for request_id, position, token, lp in zip(self.request_ids, self.positions, tokens, logprobs):
+                state = self.runner.requests.get(request_id)
+                if state is not None and position < len(state.token_ids) and state.token_ids[position] == PLACEHOLDER:
+                    state.token_ids[position] = token
+                out.sampled_token_ids[request_id] = token
+                if lp is not None:
+                    out.logprobs[request_id] = lp
+        self._result = out
+        return out
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, device: torch.device,
                  block_size: int, attention_backend: str = "auto", kv_cache_dtypes: list | None = None):
@@ -55,6 +96,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []  # per layer: [2, num_blocks, block_size, kv_heads, head_dim]
         self._pin = device.type == "cuda"
         self.graphs = None  # DecodeGraphs, once captured
+        # The last launched step's sampled tokens on the device, and each request's row in them.
+        self._last_tokens: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
         layers = self.attention_layers()
         # The KV element type of each attention layer, in model order (an fp8 cache may keep some
         # layers in the model dtype).
@@ -220,16 +264,29 @@ class ModelRunner:
             max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
             seq_lens_cpu=seq_lens.tolist(), query_lens_cpu=query_lens.tolist())
         logits_indices = query_start[1:][sampled_rows] - 1
-        return BatchInputs(self._to_device(input_ids), self._to_device(positions), metadata,
+        holes = np.flatnonzero(input_ids == PLACEHOLDER)
+        if holes.size:
+            input_ids = input_ids.copy()
+            input_ids[holes] = 0
+        input_ids_device = self._to_device(input_ids)
+        if holes.size:  # tokens the previous step sampled and the host has not read yet
+            rows = [self._last_rows[scheduled[i][0]] for i in seq_index[holes]]
+            input_ids_device[self._to_device(holes.astype(np.int64))] = self._last_tokens[self._to_device(
+                np.asarray(rows, dtype=np.int64))]
+        return BatchInputs(input_ids_device, self._to_device(positions), metadata,
                            self._to_device(logits_indices), [scheduled[i][0] for i in sampled_rows])
 
-    @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_async(plan).result()
+
+    @torch.inference_mode()
+    def execute_async(self, plan: SchedulerOutput) -> PendingOutput:
+        """Launch one step. Each sampled request gets a placeholder token until `result()`."""
         self._apply_plan(plan)
         if plan.block_copies:
             self.copy_blocks(plan.block_copies)
         if plan.is_empty:
-            return ModelRunnerOutput()
+            return PendingOutput(self, [], [], None)
         batch = self.prepare_inputs(plan)
         num_tokens = batch.input_ids.shape[0]
         if (self.graphs is not None and batch.metadata.is_pure_decode
@@ -239,17 +296,15 @@ class ModelRunner:
             with set_forward_context(ForwardContext(batch.metadata, self.backend)):
                 hidden = self.model(batch.input_ids, batch.positions)
             if not batch.sampled_request_ids:
-                return ModelRunnerOutput()
+                return PendingOutput(self, [], [], None)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-        rows = []
-        for request_id in batch.sampled_request_ids:
-            state = self.requests[request_id]
-            rows.append(SamplingRow(state.sampling_params, state.seed, state.token_ids, state.num_prompt_tokens))
-        tokens, logprobs = sample(logits, rows)
-        out = ModelRunnerOutput()
-        for request_id, token, lp in zip(batch.sampled_request_ids, tokens, logprobs):
-            self.requests[request_id].token_ids.append(token)
-            out.sampled_token_ids[request_id] = token
-            if lp is not None:
-                out.logprobs[request_id] = lp
-        return out
+        states = [self.requests[request_id] for request_id in batch.sampled_request_ids]
+        sampled = sample_tokens(logits, [SamplingRow(st.sampling_params, st.seed, st.token_ids, st.num_prompt_tokens)
+                                         for st in states])
+        positions = []
+        for state in states:
+            positions.append(len(state.token_ids))
+            state.token_ids.append(PLACEHOLDER)
+        self._last_tokens = sampled.tokens
+        self._last_rows = {request_id: row for row, request_id in enumerate(batch.sampled_request_ids)}
+        return PendingOutput(self, batch.sampled_request_ids, positions, sampled)

@@ -18,12 +18,28 @@ from metrale.executor.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
+class FinishedStep:
+    """A step that already ran, with the interface of a launched one (PendingOutput)."""
+
+    def __init__(self, result: ModelRunnerOutput):
+        self._result = result
+
+    def result(self) -> ModelRunnerOutput:
+        return self._result
+
+
 class UniprocExecutor:
+    supports_async = True  # a step can be launched before the previous one's tokens are read
+
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(plan)
+
+    def execute_async(self, plan: SchedulerOutput):
+        """Launch a step; the returned PendingOutput's result() reads its sampled tokens."""
+        return self.runner.execute_async(plan)
 
     def shutdown(self) -> None:
         pass
@@ -41,6 +57,9 @@ def _stop(channel: StepChannel, parallel: ParallelRuntime) -> None:
 
 
 class MultiprocExecutor:
+    # Worker ranks follow the tokens rank 0 drew in the previous step: steps run one at a time.
+    supports_async = False
+
     def __init__(self, runner: ModelRunner, parallel: ParallelRuntime):
         self.runner, self.parallel = runner, parallel
         self.channel = StepChannel(parallel.control_group)
@@ -71,6 +90,9 @@ class MultiprocExecutor:
             raise self._failed from e
         self._last_sampled = dict(out.sampled_token_ids)
         return out
+
+    def execute_async(self, plan: SchedulerOutput) -> FinishedStep:
+        return FinishedStep(self.execute(plan))
 
     def shutdown(self) -> None:
         """Stop the workers and drop the process groups; the engine cannot step afterwards."""

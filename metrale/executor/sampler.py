@@ -134,8 +134,29 @@ def _logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> list[
     return list(zip(chosen, ranks, top_ids, top_values))
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: [len(rows), vocab] for the last position of each sampled request."""
+@dataclass
+class SampledTokens:
+    """A step's draws, still on the logits' device: reading them is the step's only host sync."""
+
+    tokens: torch.Tensor  # int64 [len(rows)]
+    rows: list[SamplingRow]
+    want_logprobs: list[int]  # rows that asked for logprobs
+    raw_logprobs: torch.Tensor | None  # [len(want_logprobs), vocab], from the raw logits
+
+    def logprobs(self, token_list: list[int]) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(self.rows)
+        if not self.want_logprobs:
+            return out
+        k = max(self.rows[i].params.logprobs for i in self.want_logprobs)
+        chosen = torch.tensor([token_list[i] for i in self.want_logprobs], device=self.tokens.device)
+        for i, (lp, rank, ids, values) in zip(self.want_logprobs, _logprobs(self.raw_logprobs, chosen, k)):
+            n = self.rows[i].params.logprobs
+            out[i] = TokenLogprobs(token_list[i], lp, rank, ids[:n], values[:n])
+        return out
+
+
+def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
+    """logits: [len(rows), vocab] for the last position of each sampled request. No host sync."""
     logits = logits.float()
     want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
@@ -152,12 +173,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
         subset = [rows[i] for i in random_rows]
         index = torch.tensor(random_rows, device=logits.device)
         tokens[index] = _draw(_filter(logits[index], subset), subset)
-    token_list = tokens.tolist()
-    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-    if want_logprobs:
-        k = max(rows[i].params.logprobs for i in want_logprobs)
-        chosen = torch.tensor([token_list[i] for i in want_logprobs], device=logits.device)
-        for i, (lp, rank, ids, values) in zip(want_logprobs, _logprobs(raw_logprobs, chosen, k)):
-            n = rows[i].params.logprobs
-            logprobs[i] = TokenLogprobs(token_list[i], lp, rank, ids[:n], values[:n])
-    return token_list, logprobs
+    return SampledTokens(tokens, rows, want_logprobs, raw_logprobs)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """sample_tokens, read back at once: (token ids, logprobs per row or None)."""
+    sampled = sample_tokens(logits, rows)
+    token_list = sampled.tokens.tolist()
+    return token_list, sampled.logprobs(token_list)

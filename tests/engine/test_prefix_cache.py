@@ -54,8 +54,7 @@ def _request(rid, tokens, max_tokens=2):
 
 def _step(s):
     plan, _ = s.schedule()
-    sampled = {rid: 5 for rid, n in plan.num_scheduled_tokens.items()
-               if s.requests[rid].num_computed_tokens + n == s.requests[rid].num_tokens}
+    sampled = {rid: 5 for rid in plan.num_scheduled_tokens if s.requests[rid].num_pending}
     s.update(plan, ModelRunnerOutput(sampled_token_ids=sampled))
     return plan
 

@@ -20,11 +20,8 @@ def make_request(rid, prompt_len, max_tokens=4, **params):
 
 def run_step(s: Scheduler, token=7):
     plan, ended = s.schedule()
-    sampled = {}
-    for rid, n in plan.num_scheduled_tokens.items():
-        req = s.requests[rid]
-        if req.num_computed_tokens + n == req.num_tokens:
-            sampled[rid] = token
+    # A chunk that reaches the end of its sequence samples: the scheduler holds a placeholder for it.
+    sampled = {rid: token for rid in plan.num_scheduled_tokens if s.requests[rid].num_pending}
     s.update(plan, ModelRunnerOutput(sampled_token_ids=sampled))
     return plan, ended
 

@@ -46,8 +46,8 @@ def test_repeated_request_computes_a_single_token(checkpoint_factory):
     first = llm.generate(prompt, PARAMS)[0].outputs[0].token_ids
     engine = llm.llm_engine
     computed = []
-    execute = engine.runner.execute
-    engine.runner.execute = lambda plan: (computed.append(plan.total_num_scheduled_tokens), execute(plan))[1]
+    execute = engine.runner.execute_async
+    engine.runner.execute_async = lambda plan: (computed.append(plan.total_num_scheduled_tokens), execute(plan))[1]
     again = llm.generate(prompt, PARAMS)[0].outputs[0].token_ids
     assert again == first
     assert computed[0] == 1  # the prefill step: one token, for its logits
