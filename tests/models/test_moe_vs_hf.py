@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from checkpoints import load_reference, reference_greedy
-from metrale import LLM, SamplingParams
+from metrale import LLM
 from metrale.config.model_config import ModelLoadError
 from moe_checkpoints import MOE_FAMILIES, make_moe_checkpoint
-from test_generation_vs_hf import NEW_TOKENS, make_prompts
+from test_generation_vs_hf import NEW_TOKENS, generate, make_prompts
 
 FAMILIES = sorted(MOE_FAMILIES)
 
@@ -45,13 +45,6 @@ def expected(moe_checkpoint):
         return cache[family]
 
     return get
-
-
-def generate(path, **engine_kwargs):
-    llm = LLM(path, dtype="float32", device="cpu", **engine_kwargs)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()], params)
-    return llm, [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
