@@ -9,7 +9,7 @@ import statistics
 import time
 
 from metrale.bench.hardware import decode_floor, measure, prefill_floor
-from metrale.bench.workload import weights_read_per_step
+from metrale.bench.workload import run_settings, weights_read_per_step
 from metrale.engine.sampling_params import SamplingParams
 
 
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
     ttft = statistics.median(ttfts)
     floor_tpot = decode.seconds / len(decode_steps)
     result = {
-        "benchmark": "latency", "batch_size": args.batch_size, "input_len": args.input_len,
+        "benchmark": "latency", **run_settings(engine), "batch_size": args.batch_size, "input_len": args.input_len,
         "output_len": args.output_len, "device": rates.device,
         "ttft_s": ttft, "tpot_s": tpot, "floor_ttft_s": prefill.seconds, "floor_tpot_s": floor_tpot,
         "tpot_floor_ratio": floor_tpot / tpot, "decode_bound": decode.bound,

@@ -7,7 +7,7 @@ import json
 import time
 
 from metrale.bench.hardware import measure, offline_floor
-from metrale.bench.workload import random_workload, step_weight_bytes, weights_read_per_step
+from metrale.bench.workload import random_workload, run_settings, step_weight_bytes, weights_read_per_step
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
     floor = offline_floor(step_weight_bytes(engine.runner.model), active_params,
                           engine.memory_plan.kv_bytes_per_token, workload.input_lens, workload.output_lens, rates)
     result = {
-        "benchmark": "throughput", "num_prompts": args.num_prompts, "device": rates.device,
+        "benchmark": "throughput", **run_settings(engine), "num_prompts": args.num_prompts, "device": rates.device,
         "seconds": seconds, "output_tokens": output_tokens, "input_tokens": input_tokens,
         "output_tokens_per_s": output_tokens / seconds, "total_tokens_per_s": (output_tokens + input_tokens) / seconds,
         "requests_per_s": args.num_prompts / seconds, "floor_seconds": floor.seconds,

@@ -24,6 +24,15 @@ class Workload:
         return [p.max_tokens for p in self.params]
 
 
+def run_settings(engine) -> dict:
+    """What a result depends on besides the workload: model, dtype and the engine's layout."""
+    args = engine.args
+    return {"model": args.model, "dtype": str(engine.model_config.dtype).removeprefix("torch."),
+            "tp_size": args.tp_size, "ep_size": args.ep_size, "world_size": engine.executor.world_size,
+            "async_scheduling": args.async_scheduling, "enforce_eager": args.enforce_eager,
+            "max_num_seqs": args.max_num_seqs}
+
+
 def random_workload(num_prompts: int, input_range: tuple[int, int], output_range: tuple[int, int], seed: int = 0,
                     max_token_id: int = 10000, temperature: float = 0.6) -> Workload:
     """nano-vllm's bench.py workload with its defaults: after random.seed(seed), prompts of

@@ -46,6 +46,9 @@ class EngineArgs:
     seed: int = option(0, "Seed of the engine; requests without a seed draw theirs from it")
     load_format: str = option("auto", "auto/safetensors: read the checkpoint; dummy: random weights from the "
                                       "config alone (benchmarks)", choices=("auto", "safetensors", "dummy"))
+    hf_overrides: str | dict = option("", "JSON object of config.json fields to replace, e.g. "
+                                          "'{\"num_hidden_layers\": 4}' (a smaller model of the same shapes)",
+                                      parse=str)
     max_model_len: int | None = option(None, "Context length (prompt + output); default: the model's")
     max_num_seqs: int | str = option(256, "Most requests running at once; auto: from the memory plan",
                                      parse=int_or_auto)
@@ -94,12 +97,30 @@ class EngineArgs:
         if self.fp8_kv_calibration_tokens < 0:
             raise ValueError(f"fp8_kv_calibration_tokens must be >= 0, got {self.fp8_kv_calibration_tokens}")
         kv_skip_layers(self.kv_cache_dtype_skip_layers)  # validates
+        self.config_overrides  # validates
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+
+    @property
+    def config_overrides(self) -> dict:
+        """`hf_overrides` as a dict (given as one, or as a JSON object on the command line)."""
+        if isinstance(self.hf_overrides, dict):
+            return dict(self.hf_overrides)
+        if not self.hf_overrides.strip():
+            return {}
+        import json
+
+        try:
+            overrides = json.loads(self.hf_overrides)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hf_overrides must be a JSON object: {e}") from None
+        if not isinstance(overrides, dict):
+            raise ValueError(f"hf_overrides must be a JSON object, got {self.hf_overrides!r}")
+        return overrides
 
     @property
     def kv_cache_skip_layers(self) -> frozenset[int]:

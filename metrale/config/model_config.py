@@ -61,8 +61,9 @@ def resolve_dtype(requested: str, hf_config, device: torch.device) -> torch.dtyp
 
 
 def load_model_config(model_dir: str, dtype: str, device: torch.device,
-                      max_model_len: int | None, supported: dict) -> ModelConfig:
-    """Read config.json, check the architecture against `supported`, and derive the sizes."""
+                      max_model_len: int | None, supported: dict, overrides: dict | None = None) -> ModelConfig:
+    """Read config.json, apply `overrides` (fields of config.json, `--hf-overrides`), check the
+    architecture against `supported`, and derive the sizes."""
     raw = read_config_json(model_dir)
     architectures = raw.get("architectures") or []
     architecture = next((a for a in architectures if a in supported), None)
@@ -74,6 +75,10 @@ def load_model_config(model_dir: str, dtype: str, device: torch.device,
 
     hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     text_config = getattr(hf_config, "text_config", None) or hf_config
+    for key, value in (overrides or {}).items():
+        if not hasattr(text_config, key):
+            raise ModelLoadError(f"hf_overrides: the {type(text_config).__name__} config has no field {key!r}")
+        setattr(text_config, key, value)
     heads = text_config.num_attention_heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
     model_max = getattr(text_config, "max_position_embeddings", None) or 2048

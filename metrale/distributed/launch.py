@@ -39,6 +39,11 @@ from metrale.distributed.topology import (Topology, TopologyError, check_attenti
                                           resolve_topology)
 from metrale.engine.errors import EngineDeadError
 
+
+# NVLink multicast stays off in NCCL, torch's symmetric memory and NVSHMEM: on shared hosts a
+# program using it can take the GPUs out of service, and nothing here needs it.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
 logger = logging.getLogger(__name__)
 
 # Workers wait for the next step plan for as long as the server idles.
@@ -269,7 +274,7 @@ def spawn_workers(args, topology: Topology, device: torch.device, master_port: i
     """Ranks 1..W-1 of a one-host launch, as fresh interpreters (never a fork of a process that may
     hold CUDA). They get rank 0's EngineArgs as JSON, with the resolved world size and port."""
     wire = dict(dataclasses.asdict(args), world_size=topology.world_size, master_port=master_port)
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    env = dict(os.environ, **MULTICAST_OFF)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -353,7 +358,7 @@ def start_parallel(args, config, device: torch.device, spawned: bool = False) ->
     if topology.world_size == 1:
         return None
     check_model_split(config, topology, args.moe_expert_layout)
-    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast (NVLS) stays off
+    os.environ.update(MULTICAST_OFF)
     addr, port = (env.master_addr, env.master_port) if env else (args.master_addr, args.master_port)
     spawn = env is None and not spawned and topology.rank == 0 and is_loopback(addr)
     local_rank = env.local_rank if env else topology.rank if (spawn or spawned) else (

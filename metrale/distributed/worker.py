@@ -112,14 +112,12 @@ def _watch_parent(parent_pid: int) -> None:
 def build_worker(args, spawned: bool):
     """This rank's groups and model runner, built in the same order as rank 0's (their
     collectives must meet): topology and groups, then `build_runner`."""
-    from metrale.config.model_config import load_model_config
     from metrale.distributed.launch import start_parallel
-    from metrale.engine.startup import StartupLog, build_runner, load_tokenizer, resolve_device, resolve_model_dir
-    from metrale.models.registry import supported_architectures
+    from metrale.engine.startup import StartupLog, build_runner, load_tokenizer, read_model_config, resolve_device
 
     device = resolve_device(args.device)
-    model_dir = resolve_model_dir(args.model, args.load_format)
-    config = load_model_config(model_dir, args.dtype, device, args.max_model_len, supported_architectures())
+    config = read_model_config(args, device)
+    model_dir = config.model_dir
     parallel = start_parallel(args, config, device, spawned=spawned)
     if parallel is None:
         raise RuntimeError("a worker needs a world of more than one rank")

@@ -62,6 +62,13 @@ def resolve_model_dir(model: str | None, load_format: str) -> str:
     return model
 
 
+def read_model_config(args: EngineArgs, device: torch.device) -> ModelConfig:
+    """The model directory `args` names and its config, with `--hf-overrides` applied."""
+    model_dir = resolve_model_dir(args.model, args.load_format)
+    return load_model_config(model_dir, args.dtype, device, args.max_model_len, supported_architectures(),
+                             args.config_overrides)
+
+
 def shipped_config_names() -> list[str]:
     return sorted(os.listdir(SHIPPED_CONFIGS))
 
@@ -146,10 +153,10 @@ def _calibrate_fp8_scales(args: EngineArgs, runner: ModelRunner, tokenizer, plan
 
 def build_engine_parts(args: EngineArgs, log: StartupLog) -> EngineParts:
     device = resolve_device(args.device)
-    model_dir = resolve_model_dir(args.model, args.load_format)
+    config = read_model_config(args, device)
+    model_dir = config.model_dir
     log.phase("resolve model", model_dir)
 
-    config = load_model_config(model_dir, args.dtype, device, args.max_model_len, supported_architectures())
     # Above one rank: topology checks, worker ranks started, process groups (docs/parallel.md).
     parallel = start_parallel(args, config, device)
     try:

@@ -45,17 +45,13 @@ def _generate(args: argparse.Namespace) -> int:
 def _memory_plan(args: argparse.Namespace) -> int:
     import torch
 
-    from metrale.config.model_config import load_model_config
-    from metrale.engine.startup import plan_memory, resolve_device, resolve_model_dir
+    from metrale.engine.startup import plan_memory, read_model_config, resolve_device
     from metrale.executor.memory_plan import MemoryPlanError, fit_kv_blocks, resolve_max_num_seqs
-    from metrale.models.registry import supported_architectures
 
     engine_args = EngineArgs.from_cli_args(args)
     device_total = int(args.device_memory_gib * 2**30) if args.device_memory_gib else None
     device = torch.device("cuda") if device_total else resolve_device(engine_args.device)
-    model_dir = resolve_model_dir(engine_args.model, engine_args.load_format)
-    config = load_model_config(model_dir, engine_args.dtype, device, engine_args.max_model_len,
-                               supported_architectures())
+    config = read_model_config(engine_args, device)
     from metrale.distributed.launch import shard_sizes_of, topology_from_args
 
     topology, _ = topology_from_args(engine_args)

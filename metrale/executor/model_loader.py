@@ -43,7 +43,7 @@ def build_model(config: ModelConfig, device: torch.device, load_format: str = "a
     with torch.device(device), _default_dtype(config.dtype):
         model = model_class(config)
     if load_format == "dummy":
-        init_dummy_weights(model, seed)
+        init_dummy_weights(model, config.hf_config, seed)
     else:
         total = count_tensors(config.model_dir) if show_progress else None
         with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress) as bar:

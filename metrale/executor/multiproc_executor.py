@@ -30,6 +30,7 @@ class FinishedStep:
 
 class UniprocExecutor:
     supports_async = True  # a step can be launched before the previous one's tokens are read
+    world_size = 1
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner

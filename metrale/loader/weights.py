@@ -11,6 +11,7 @@ to the shard and the expert.
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Iterable
 
 import torch
@@ -105,14 +106,28 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
                              f"{', '.join(names[:5])}")
 
 
-def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights of the right shapes and dtypes, drawn on the parameters' own device; norms
-    stay at one. For benchmarks: they cost the same time as real weights."""
-    generators: dict[torch.device, torch.Generator] = {}
-    for name, param in model.named_parameters():
-        if name.rsplit(".", 1)[0].endswith("norm"):
-            param.data.fill_(1.0)
+def dummy_checkpoint(hf_config, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """(name, tensor) pairs of a random checkpoint of this config: transformers' parameter names
+    and full shapes (read from a model built on the meta device), each tensor drawn from its own
+    generator seeded by the seed and its name. Loaded like a real checkpoint, every rank takes its
+    shard of the same full tensors, so a split model computes what one GPU computes. Norm
+    weights are one; values are uniform in [-0.02, 0.02]."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(hf_config)
+    for name, shaped in reference.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if module.endswith("norm"):
+            yield name, torch.ones(shaped.shape, dtype=dtype, device=device)
             continue
-        if param.device not in generators:
-            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        param.data.uniform_(-0.02, 0.02, generator=generators[param.device])
+        generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        tensor = torch.empty(shaped.shape, dtype=dtype, device=device)
+        yield name, tensor.uniform_(-0.02, 0.02, generator=generator)
+
+
+def init_dummy_weights(model: nn.Module, hf_config, seed: int = 0) -> None:
+    """Random weights of the right shapes and dtypes, drawn on the model's own device from
+    `dummy_checkpoint`. For benchmarks: they cost the same time as real weights."""
+    param = next(model.parameters())
+    load_weights(model, dummy_checkpoint(hf_config, param.device, param.dtype, seed))

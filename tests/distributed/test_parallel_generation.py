@@ -28,23 +28,11 @@ from checkpoints import load_reference, make_checkpoint, reference_greedy
 from metrale import LLM, SamplingParams
 from metrale.distributed.launch import WorkerDiedError
 from metrale.distributed.topology import TopologyError
-from moe_checkpoints import make_moe_checkpoint
+from parallel_cases import PROMPT_LENGTHS, build_checkpoint, free_port, make_prompts
 
 NEW_TOKENS = 8
-PROMPT_LENGTHS = (1, 6, 23, 41)
 STEP_BUDGET = 16  # tokens per step: the longer prompts prefill in chunks beside the others' decodes
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-CHECKPOINTS = {
-    # 4 attention heads, 2 KV heads: both divide over 2 ranks.
-    "qwen3": (make_checkpoint, "qwen3", {}),
-    # One KV head: replicated on both TP ranks.
-    "llama_kv1": (make_checkpoint, "llama", {"num_key_value_heads": 1}),
-    # 8 experts, softmax routing, layer 1 dense.
-    "qwen3_moe": (make_moe_checkpoint, "qwen3_moe", {}),
-    # 5 experts (ranges [0, 2) and [2, 5) over 2 EP ranks), one KV head, full-width q/k norms.
-    "minimax_m2_uneven": (make_moe_checkpoint, "minimax_m2", {"num_local_experts": 5, "num_key_value_heads": 1}),
-}
 
 CASES = [
     ("qwen3", dict(tp_size=2)),
@@ -65,16 +53,6 @@ CASES = [
 def _case_id(case) -> str:
     name, sizes = case
     return name + "-" + "-".join(f"{k.replace('_size', '')}{v}" for k, v in sizes.items())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def make_prompts() -> list[list[int]]:
-    return [[(37 * i + 11 * n) % 380 + 3 for i in range(n)] for n in PROMPT_LENGTHS]
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -100,8 +78,7 @@ def checkpoint(tmp_path_factory):
 
     def get(name: str) -> str:
         if name not in cache:
-            make, family, overrides = CHECKPOINTS[name]
-            cache[name] = make(str(tmp_path_factory.mktemp(f"ckpt_{name}")), family, **overrides)
+            cache[name] = build_checkpoint(name, str(tmp_path_factory.mktemp(f"ckpt_{name}")))
         return cache[name]
 
     return get
@@ -137,6 +114,34 @@ def test_tokens_match_one_rank_and_transformers(case, checkpoint, references):
         llm.llm_engine.shutdown()
     assert greedy == hf
     assert seeded == single_seeded
+
+
+# Shipped configs shrunk by --hf-overrides to a few layers of small width.
+SMALL_QWEN3 = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 32}
+SMALL_QWEN3_MOE = dict(SMALL_QWEN3, moe_intermediate_size=64, num_experts=8)
+
+
+@pytest.mark.parametrize("name, overrides, sizes", [
+    ("Qwen3-8B", SMALL_QWEN3, dict(tp_size=2)),
+    ("Qwen3-30B-A3B", SMALL_QWEN3_MOE, dict(ep_size=2)),
+], ids=["qwen3-tp2", "qwen3_moe-ep2"])
+def test_dummy_weights_split_over_ranks_compute_what_one_rank_computes(name, overrides, sizes):
+    """--load-format dummy draws each full checkpoint tensor from a generator seeded by its name,
+    and each rank loads its shard of it: a split model is the one-rank model, cut."""
+    def dummy(**kw) -> LLM:
+        return engine(name, load_format="dummy", hf_overrides=overrides, skip_tokenizer_init=True,
+                      max_model_len=128, **kw)
+
+    prompts = [{"prompt_token_ids": p} for p in make_prompts()]
+    single = [o.outputs[0].token_ids for o in dummy().generate(prompts, GREEDY, use_tqdm=False)]
+    llm = dummy(master_port=free_port(), **sizes)
+    try:
+        split = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        llm.llm_engine.shutdown()
+    assert split == single
+    assert len({tuple(t) for t in single}) > 1  # the prompts lead to different tokens: a real check
 
 
 # -- refusals before any process starts ----------------------------------------------------------

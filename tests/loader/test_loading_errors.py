@@ -102,6 +102,17 @@ def test_dummy_weights_need_no_checkpoint(checkpoint_factory, tmp_path):
     assert len(out[0].outputs[0].token_ids) == 3
 
 
+def test_hf_overrides_replace_config_fields_and_bad_ones_are_refused(checkpoint_factory):
+    path = checkpoint_factory("qwen3")
+    llm = LLM(path, device="cpu", load_format="dummy", num_kv_blocks=16, hf_overrides={"num_hidden_layers": 1})
+    assert llm.llm_engine.model_config.num_layers == 1
+    assert len(llm.llm_engine.runner.model.model.layers) == 1
+    with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
+        LLM(path, device="cpu", hf_overrides="num_hidden_layers=1")
+    with pytest.raises(ModelLoadError, match="hf_overrides: the Qwen3Config config has no field 'num_hiden_layers'"):
+        LLM(path, device="cpu", hf_overrides='{"num_hiden_layers": 1}')
+
+
 def test_auto_map_never_runs_remote_code(checkpoint_factory, tmp_path):
     """A repo asking for remote code: its auto_map is ignored, our own class for the architecture
     loads it, and an architecture only remote code would know is refused (reliability case 19)."""
