@@ -245,7 +245,14 @@ class ParallelRuntime:
         from metrale.layers.moe.parallel import init_moe_layout
 
         if dist.is_initialized():
-            dist.destroy_process_group()
+            if dist.get_backend() == "nccl":
+                # Tear NCCL down by aborting: destroying its communicators can wait on the peers
+                # (a collective in some NCCL versions), which hung shutdown on 2 H200s once a
+                # worker was gone or not yet at the same point. Nothing is in flight by now.
+                torch.cuda.synchronize()
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
         parallel_state.reset_parallel_state()
         init_moe_layout(None)
         self.store = None
@@ -384,7 +391,14 @@ def start_parallel(args, config, device: torch.device, spawned: bool = False) ->
     except BaseException:
         kill_workers(workers)
         if dist.is_initialized():
-            dist.destroy_process_group()
+            if dist.get_backend() == "nccl":
+                # Tear NCCL down by aborting: destroying its communicators can wait on the peers
+                # (a collective in some NCCL versions), which hung shutdown on 2 H200s once a
+                # worker was gone or not yet at the same point. Nothing is in flight by now.
+                torch.cuda.synchronize()
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
         parallel_state.reset_parallel_state()
         from metrale.layers.moe.parallel import init_moe_layout
 
