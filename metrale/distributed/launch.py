@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import subprocess
+import threading
 import sys
 import time
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 CONTROL_TIMEOUT = datetime.timedelta(days=3650)
 STARTUP_TIMEOUT_S = 600.0
 SHUTDOWN_TIMEOUT_S = 15.0
+GROUP_TEARDOWN_TIMEOUT_S = 30.0
 
 
 class WorkerDiedError(EngineDeadError):
@@ -223,6 +225,11 @@ class ParallelRuntime:
         if self.closed:
             return
         self.closed = True
+        # NCCL's teardown may meet the peers' (the workers tear down on the stop message), so
+        # rank 0 tears down alongside them; gloo's is local and waits until they have read it.
+        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        if nccl:
+            self._drop_groups()
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
         for worker in self.workers:
             try:
@@ -231,7 +238,8 @@ class ParallelRuntime:
                 logger.warning("worker rank %d did not stop; killing it", worker.rank)
                 worker.process.kill()
                 worker.process.wait()
-        self._drop_groups()
+        if not nccl:
+            self._drop_groups()
 
     def abort(self) -> None:
         """Startup failed on this rank: stop the workers it started, drop the groups."""
@@ -245,17 +253,28 @@ class ParallelRuntime:
         from metrale.layers.moe.parallel import init_moe_layout
 
         if dist.is_initialized():
-            if dist.get_backend() == "nccl":
-                # Tear NCCL down by aborting: destroying its communicators can wait on the peers
-                # (a collective in some NCCL versions), which hung shutdown on 2 H200s once a
-                # worker was gone or not yet at the same point. Nothing is in flight by now.
-                torch.cuda.synchronize()
-                dist.distributed_c10d._abort_process_group()
-            else:
-                dist.destroy_process_group()
+            _destroy_groups_within(GROUP_TEARDOWN_TIMEOUT_S)
         parallel_state.reset_parallel_state()
         init_moe_layout(None)
         self.store = None
+
+
+def _destroy_groups_within(seconds: float) -> None:
+    """destroy_process_group, bounded: NCCL's teardown can wait on peers (and hangs while a CUDA
+    graph holds captured collectives, which is why runners release theirs first). Past the bound
+    this process keeps its groups, says so, and cannot start another multi-rank engine."""
+    if dist.get_backend() == "nccl":
+        torch.cuda.synchronize()
+    done = threading.Event()
+
+    def destroy():
+        dist.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=destroy, name="met-destroy-groups", daemon=True).start()
+    if not done.wait(seconds):
+        logger.error("the process groups did not shut down within %.0f s; leaving them (this process cannot "
+                     "start another multi-rank engine)", seconds)
 
 
 def kill_workers(workers: list[WorkerProcess]) -> None:
@@ -391,14 +410,7 @@ def start_parallel(args, config, device: torch.device, spawned: bool = False) ->
     except BaseException:
         kill_workers(workers)
         if dist.is_initialized():
-            if dist.get_backend() == "nccl":
-                # Tear NCCL down by aborting: destroying its communicators can wait on the peers
-                # (a collective in some NCCL versions), which hung shutdown on 2 H200s once a
-                # worker was gone or not yet at the same point. Nothing is in flight by now.
-                torch.cuda.synchronize()
-                dist.distributed_c10d._abort_process_group()
-            else:
-                dist.destroy_process_group()
+            _destroy_groups_within(GROUP_TEARDOWN_TIMEOUT_S)
         parallel_state.reset_parallel_state()
         from metrale.layers.moe.parallel import init_moe_layout
 

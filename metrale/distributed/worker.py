@@ -142,6 +142,7 @@ def run_worker(args, spawned_by: int | None = None) -> int:
         logger.error("rank %d: lost rank 0 (%s)", rank, e)
         return 1
     finally:
+        runner.release_cuda_graphs()
         parallel.close()
     logger.info("rank %d: stopped after %d steps", rank, steps)
     return 0

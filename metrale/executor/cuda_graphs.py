@@ -70,6 +70,15 @@ class DecodeGraphs:
         logger.info("captured %d decode CUDA graphs (batch sizes %s..%s), %.0f MiB", len(self.graphs),
                     self.sizes[0], self.sizes[-1], self.memory_bytes / 2**20)
 
+    def release(self) -> None:
+        """Free the graphs. Must come before the NCCL process groups are torn down: a live graph
+        holding captured collectives makes that teardown hang (pytorch/pytorch#115388)."""
+        torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.logits.clear()
+
     def can_run(self, batch: int) -> bool:
         return batch <= self.max_batch
 

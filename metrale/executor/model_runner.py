@@ -107,6 +107,12 @@ class ModelRunner:
             if dtype != torch.float8_e4m3fn:  # scales mean something only to an fp8 cache
                 layer.k_scale = layer.v_scale = 1.0
 
+    def release_cuda_graphs(self) -> None:
+        """Back to eager decode steps (before shutting a multi-rank engine's groups down)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         from metrale.executor.cuda_graphs import DecodeGraphs
 

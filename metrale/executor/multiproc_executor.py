@@ -46,14 +46,15 @@ class UniprocExecutor:
         pass
 
 
-def _stop(channel: StepChannel, parallel: ParallelRuntime) -> None:
-    """Send the stop message (if the workers can still hear it) and wait for them. Runs once: from
-    shutdown(), when the executor is collected, or at interpreter exit."""
+def _stop(channel: StepChannel, parallel: ParallelRuntime, runner: ModelRunner) -> None:
+    """Send the stop message (if the workers can still hear it), free the CUDA graphs, and wait
+    for the workers. Runs once: from shutdown(), when the executor is collected, or at exit."""
     try:
         if not parallel.closed:
             channel.send(STOP_MESSAGE)
     except Exception as e:  # noqa: BLE001 - a dead peer cannot be told; close() reaps it anyway
         logger.warning("could not send the stop message to the worker ranks: %s", e)
+    runner.release_cuda_graphs()
     parallel.close()
 
 
@@ -67,7 +68,7 @@ class MultiprocExecutor:
         self._last_sampled: dict[str, int] = {}
         self._failed: BaseException | None = None
         # Not a method of self: the finalizer must not keep the executor alive.
-        self._stopper = weakref.finalize(self, _stop, self.channel, parallel)
+        self._stopper = weakref.finalize(self, _stop, self.channel, parallel, runner)
 
     @property
     def world_size(self) -> int:
