@@ -42,6 +42,17 @@ def test_triton_graphs_eager_torch_and_transformers_agree(family, checkpoint_fac
     assert chunked == expected
 
 
+def test_released_graphs_fall_back_to_eager_steps(checkpoint_factory):
+    """What a multi-rank shutdown does first (graphs hold captured collectives); steps after it
+    run eagerly and give the same tokens."""
+    llm, before = run(checkpoint_factory("qwen3"), attention_backend="triton")
+    llm.llm_engine.runner.release_cuda_graphs()
+    assert llm.llm_engine.runner.graphs is None
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    after = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts()], params)]
+    assert after == before
+
+
 def test_bf16_triton_close_to_torch_backend(checkpoint_factory):
     """bf16 is not bit-exact across kernels: vLLM's rule, each side's token in the other's top 5
     at the first divergence."""
