@@ -15,7 +15,7 @@ import torch
 
 from metrale.config.model_config import ModelConfig
 from metrale.engine.sampling_params import SamplingParams
-from metrale.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from metrale.engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from metrale.executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from metrale.executor.sampler import SampledTokens, SamplingRow, sample, sample_tokens
 from metrale.layers.attention.backend import get_backend
@@ -26,16 +26,6 @@ logger = logging.getLogger(__name__)
 # A token sampled by a step whose result has not been read back yet (asynchronous scheduling):
 # its value is on the device, and the next step's input takes it from there.
 PLACEHOLDER = -1
-
-
-@dataclass
-class RunnerRequest:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    seed: int
-    block_ids: list[int]
-    num_computed_tokens: int
 
 
 @dataclass
@@ -92,7 +82,9 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.backend = get_backend(attention_backend, device)
-        self.requests: dict[str, RunnerRequest] = {}
+        # Each request this runner knows: the plan's NewRequestData, adopted as the runner's own
+        # state (its token_ids grow by the sampled tokens, its block_ids by each step's blocks).
+        self.requests: dict[str, NewRequestData] = {}
         self.kv_caches: list[torch.Tensor] = []  # per layer: [2, num_blocks, block_size, kv_heads, head_dim]
         self._pin = device.type == "cuda"
         self.graphs = None  # DecodeGraphs, once captured
@@ -193,8 +185,6 @@ class ModelRunner:
     def _prefill_plan(self, sequences: list[list[int]], tag: str) -> SchedulerOutput:
         """A plan computing whole `sequences` at once, laid out in consecutive blocks from block 0
         (startup passes only: nothing else holds the pool then)."""
-        from metrale.engine.scheduler_output import NewRequestData
-
         plan, first_block = SchedulerOutput(), 0
         for i, tokens in enumerate(sequences):
             blocks = -(-len(tokens) // self.block_size)
@@ -224,9 +214,7 @@ class ModelRunner:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in plan.new_requests:
-            self.requests[new.request_id] = RunnerRequest(
-                list(new.token_ids), new.num_prompt_tokens, new.sampling_params, new.seed,
-                list(new.block_ids), new.num_computed_tokens)
+            self.requests[new.request_id] = new  # the scheduler built its lists for this plan alone
         for cached in plan.cached_requests:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)

@@ -54,15 +54,3 @@ def iterate_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, st.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"cannot read {os.path.basename(path)}: the file is corrupt or truncated ({e})") from None
-
-
-def checkpoint_bytes(model_dir: str) -> int:
-    """Total tensor bytes, from the safetensors headers alone (nothing is read)."""
-    total = 0
-    for path in checkpoint_files(model_dir):
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len))
-        total += sum(end - start for name, entry in header.items() if name != "__metadata__"
-                     for start, end in [entry["data_offsets"]])
-    return total

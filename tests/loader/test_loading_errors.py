@@ -10,7 +10,6 @@ from safetensors.torch import load_file, save_file
 
 from metrale import LLM
 from metrale.config.model_config import ModelLoadError
-from metrale.loader.safetensors_loader import checkpoint_bytes
 
 
 def copy_checkpoint(src, dst):
@@ -79,7 +78,6 @@ def test_sharded_checkpoint_loads_and_matches(checkpoint_factory, tmp_path):
     one = LLM(src, device="cpu").generate(prompt, params)[0].outputs[0].token_ids
     many = LLM(dst, device="cpu").generate(prompt, params)[0].outputs[0].token_ids
     assert one == many
-    assert checkpoint_bytes(dst) == sum(p.numel() * 4 for p in model.state_dict().values())
 
 
 def test_missing_directory_and_config(tmp_path):
