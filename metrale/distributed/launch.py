@@ -263,11 +263,11 @@ def _destroy_groups_within(seconds: float) -> None:
     """destroy_process_group, bounded: NCCL's teardown can wait on peers (and hangs while a CUDA
     graph holds captured collectives, which is why runners release theirs first). Past the bound
     this process keeps its groups, says so, and cannot start another multi-rank engine."""
-    if dist.get_backend() == "nccl":
-        torch.cuda.synchronize()
     done = threading.Event()
 
     def destroy():
+        if dist.get_backend() == "nccl":
+            torch.cuda.synchronize()  # inside the bound too: a collective whose peer died never ends
         dist.destroy_process_group()
         done.set()
 

@@ -138,11 +138,11 @@ def run_worker(args, spawned_by: int | None = None) -> int:
     rank = parallel.topology.rank
     try:
         steps = serve_steps(runner, StepChannel(parallel.control_group))
+        runner.release_cuda_graphs()  # before the groups (see MultiprocExecutor); not after a failure
     except RuntimeError as e:
         logger.error("rank %d: lost rank 0 (%s)", rank, e)
         return 1
     finally:
-        runner.release_cuda_graphs()
         parallel.close()
     logger.info("rank %d: stopped after %d steps", rank, steps)
     return 0

@@ -52,9 +52,11 @@ def _stop(channel: StepChannel, parallel: ParallelRuntime, runner: ModelRunner) 
     try:
         if not parallel.closed:
             channel.send(STOP_MESSAGE)
+            # Only when the workers heard it: after a peer died, a collective may never end, and
+            # freeing the graphs waits for the device (close() bounds its own wait).
+            runner.release_cuda_graphs()
     except Exception as e:  # noqa: BLE001 - a dead peer cannot be told; close() reaps it anyway
         logger.warning("could not send the stop message to the worker ranks: %s", e)
-    runner.release_cuda_graphs()
     parallel.close()
 
 

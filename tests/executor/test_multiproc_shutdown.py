@@ -57,3 +57,52 @@ def test_a_worker_frees_graphs_before_its_groups(monkeypatch):
     monkeypatch.setattr(worker, "serve_steps", lambda runner, channel: log.calls.append("steps") or 3)
     assert worker.run_worker(args=None) == 0
     assert log.calls == ["steps", "free graphs", "close groups"]
+
+
+def test_graphs_are_left_alone_when_the_workers_cannot_be_told():
+    """After a peer died a collective may never end, and freeing graphs waits for the device."""
+    log = Recorder()
+
+    class Channel:
+        def send(self, message):
+            raise RuntimeError("connection closed by peer")
+
+    class Parallel:
+        closed = False
+
+        def close(self):
+            log.calls.append("close groups")
+
+    class Runner:
+        def release_cuda_graphs(self):
+            log.calls.append("free graphs")
+
+    _stop(Channel(), Parallel(), Runner())
+    assert log.calls == ["close groups"]
+
+
+def test_a_worker_that_lost_rank_0_does_not_wait_on_its_graphs(monkeypatch):
+    log = Recorder()
+
+    class Topology:
+        rank = 1
+
+    class Parallel:
+        topology = Topology()
+        control_group = None
+
+        def close(self):
+            log.calls.append("close groups")
+
+    class Runner:
+        def release_cuda_graphs(self):
+            log.calls.append("free graphs")
+
+    def lost(runner, channel):
+        raise RuntimeError("connection reset")
+
+    monkeypatch.setattr(worker, "build_worker", lambda args, spawned: (Parallel(), Runner()))
+    monkeypatch.setattr(worker, "StepChannel", lambda group: None)
+    monkeypatch.setattr(worker, "serve_steps", lost)
+    assert worker.run_worker(args=None) == 1
+    assert log.calls == ["close groups"]
