@@ -199,3 +199,16 @@ def sample_tokens(logits, temperature, top_k, top_p, min_p, seeds, offsets):
         gen = torch.Generator().manual_seed((seed * 1_000_003 + off) % (2**63))
         out[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
     return out.to(logits.device)
+
+
+# --------------------------------------------------------------------------- per-head q/k norm + rotary
+
+
+def qk_norm_rope(positions, q, k, q_weight, k_weight, eps, cos_sin_cache, rotary_dim, is_neox):
+    """Qwen3's per-head RMSNorm of q and k (over head_dim), then rotary; returns NEW tensors.
+
+    The composition of the two references above: the norm output is rounded to the model
+    dtype before it is rotated, as in the unfused path.
+    """
+    return apply_rotary(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos_sin_cache,
+                        rotary_dim, is_neox)

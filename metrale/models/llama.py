@@ -45,12 +45,16 @@ class LlamaAttention(nn.Module):
         """Per-head changes before RoPE; none for Llama."""
         return q, k
 
+    def rotate_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """transform_qk, then RoPE; a subclass may fuse the two (Qwen3)."""
+        return self.rotary_emb(positions, *self.transform_qk(q, k))
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.qkv_proj.q_size, self.qkv_proj.kv_size,
                                                self.qkv_proj.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, *self.transform_qk(q, k))
+        q, k = self.rotate_qk(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
