@@ -16,6 +16,12 @@ met() { python3 -m metrale.entrypoints.cli "$@"; }
 echo "${MET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" > "$OUT/commit.txt"
 echo "$GPUS GPUs"; nvidia-smi topo -m 2>&1 | head -12 | tee "$OUT/topology.txt"
 
+# How the GPUs talk: NCCL's transport and all-reduce times by size (a few seconds).
+NCCL_DEBUG=INFO timeout 120 torchrun --nproc-per-node "$GPUS" benchmarks/allreduce_probe.py \
+    > "$OUT/allreduce_probe.log" 2>&1
+grep -oE "via [A-Za-z0-9/_]+" "$OUT/allreduce_probe.log" | sort | uniq -c | head -5
+grep -E "^\||symmetric|failed" "$OUT/allreduce_probe.log"
+
 if [ "$MODE" = "tests" ]; then
   # Straight to a file, not through a pipe: worker ranks inherit the output and would hold a pipe open.
   # Past the time limit every rank prints its Python stacks (faulthandler) and stops.
