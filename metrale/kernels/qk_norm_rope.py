@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from metrale.kernels import reference, tl, triton, use_triton
+from metrale.kernels.rotary import rotary_pair_offsets
 
 
 @triton.jit
@@ -29,12 +30,7 @@ def _norm_rope_head(x_ptr, w_ptr, row, cos, sin, i, eps,
     dtype = x_ptr.dtype.element_ty
     d = tl.arange(0, BLOCK_D)
     in_head = d < HEAD_DIM
-    if IS_NEOX:
-        i1 = i
-        i2 = i + HALF
-    else:
-        i1 = 2 * i
-        i2 = 2 * i + 1
+    i1, i2 = rotary_pair_offsets(i, IS_NEOX, HALF)
     pair = i < HALF
     x = tl.load(x_ptr + row + d, mask=in_head, other=0.0).to(tl.float32)
     x1 = tl.load(x_ptr + row + i1, mask=pair, other=0.0).to(tl.float32)

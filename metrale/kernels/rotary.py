@@ -17,17 +17,20 @@ from metrale.kernels import reference, tl, triton, use_triton
 
 
 @triton.jit
+def rotary_pair_offsets(i, IS_NEOX: tl.constexpr, HALF: tl.constexpr):
+    """Offsets within a head of the pairs (x1, x2) that rotary pair index i turns together."""
+    if IS_NEOX:
+        return i, i + HALF
+    return 2 * i, 2 * i + 1
+
+
+@triton.jit
 def _rotate_heads(x_ptr, stride_t, stride_h, num_heads, t, cos, sin, i,
                   IS_NEOX: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     # Rotates all heads of token t; i: pair index [1, BLOCK_HALF] (masked by HALF).
     h = tl.arange(0, BLOCK_H)[:, None]
     mask = (h < num_heads) & (i < HALF)
-    if IS_NEOX:
-        i1 = i
-        i2 = i + HALF
-    else:
-        i1 = 2 * i
-        i2 = 2 * i + 1
+    i1, i2 = rotary_pair_offsets(i, IS_NEOX, HALF)
     base = x_ptr + t * stride_t + h * stride_h
     x1 = tl.load(base + i1, mask=mask).to(tl.float32)
     x2 = tl.load(base + i2, mask=mask).to(tl.float32)
