@@ -2,6 +2,11 @@
 throughput workload, kernels by CUDA time and host functions by CPU time.
 
     python benchmarks/profile_step.py --model Qwen3-0.6B --num-prompts 256
+    python benchmarks/profile_step.py --model Qwen3-8B --num-prompts 1 --max-num-seqs 1   # batch-1 decode
+    python benchmarks/profile_step.py --model Qwen3-8B --num-prompts 1 --max-num-seqs 1 --tp-size 2
+
+With --tp-size/--ep-size the profile is rank 0's: its collectives' kernels include the time spent
+waiting for the other ranks.
 """
 
 import argparse
@@ -38,13 +43,15 @@ def main():
     parser.add_argument("--skip-steps", type=int, default=60)
     parser.add_argument("--active-steps", type=int, default=10)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--ep-size", type=int, default=1)
     parser.add_argument("--prefill-len", type=int, default=0, help="profile one prefill of this many tokens instead")
     args = parser.parse_args()
     if args.prefill_len:
         return profile_prefill(args)
     work = random_workload(args.num_prompts, (100, 1024), (100, 1024), 0)
     llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
-              max_num_seqs=args.max_num_seqs)
+              max_num_seqs=args.max_num_seqs, tp_size=args.tp_size, ep_size=args.ep_size)
     engine = llm.llm_engine
     for i, (p, sp) in enumerate(zip(work.prompts, work.params)):
         engine.add_request(str(i), {"prompt_token_ids": p}, sp.clone(output_kind="final_only"))
@@ -64,8 +71,14 @@ def main():
             engine.step()
         torch.cuda.synchronize()
     table = prof.key_averages()
+    # GPU busy time per step: the sum of kernel (and copy) times; the rest of a step is GPU idle.
+    busy_us = sum(e.self_device_time_total for e in table if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"GPU busy {busy_us / args.active_steps / 1e3:.2f} ms/step "
+          f"({sum(e.count for e in table if e.device_type == torch.autograd.DeviceType.CUDA) // args.active_steps} "
+          f"kernels and copies per step)")
     print(table.table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     print(table.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    llm.llm_engine.shutdown()
 
 
 if __name__ == "__main__":
