@@ -9,10 +9,11 @@ OUT="${OUT:-/tmp/met-split-suite}"
 WORK=$(mktemp -d)
 mkdir -p "$WORK/tests" "$WORK/bench" "$OUT"
 
-CUDA_VISIBLE_DEVICES=0 TEST_TIMEOUT="${TEST_TIMEOUT:-500}" OUT="$WORK/tests" \
+CUDA_VISIBLE_DEVICES=0 TEST_TIMEOUT="${TEST_TIMEOUT:-480}" OUT="$WORK/tests" \
     bash benchmarks/run_gpu_suite.sh tests-only > "$WORK/tests/run.log" 2>&1 &
 tests_pid=$!
-CUDA_VISIBLE_DEVICES=1 OUT="$WORK/bench" bash benchmarks/run_gpu_suite.sh bench-only > "$WORK/bench/run.log" 2>&1
+# Each part is bounded so that the pack at the end always happens within 10 minutes.
+CUDA_VISIBLE_DEVICES=1 OUT="$WORK/bench" timeout "${BENCH_TIMEOUT:-380}" bash benchmarks/run_gpu_suite.sh bench-only > "$WORK/bench/run.log" 2>&1
 CUDA_VISIBLE_DEVICES=1 timeout 150 python3 benchmarks/profile_step.py --model Qwen3-8B --num-prompts 1 \
     --max-num-seqs 1 --skip-steps 20 > "$WORK/bench/profile_bs1_qwen3_8b.log" 2>&1
 wait "$tests_pid"
