@@ -21,9 +21,9 @@ if [ "$QUICK" != "bench-only" ]; then
   [ "$QUICK" = "tests-only" ] && exit 0
 fi
 
-# Synchronous scheduling (the default) and --async-scheduling, back to back on the same GPU.
-for mode in sync async; do
-  flag=""; [ "$mode" = async ] && flag="--async-scheduling"
+# Asynchronous scheduling (the default on CUDA) and synchronous, back to back on the same GPU.
+for mode in async sync; do
+  flag="--async-scheduling"; [ "$mode" = sync ] && flag="--no-async-scheduling"
   met bench latency --model Qwen3-8B --load-format dummy --batch-size 1 --input-len 512 --output-len 128 \
       --max-model-len 4096 --max-num-seqs 8 $flag --output-json "$OUT/latency_qwen3_8b_$mode.json" \
       > "$OUT/latency_qwen3_8b_$mode.log" 2>&1

@@ -16,13 +16,13 @@ def main(out: str) -> None:
     print(f"commit {commit}\n")
     print("| workload | met | floor | met / floor | transformers | met / transformers |")
     print("|---|---|---|---|---|---|")
-    for mode in ("sync", "async"):
+    for mode in ("async", "sync"):
         print_rows(load(out, f"latency_qwen3_8b_{mode}.json"), load(out, f"throughput_qwen3_0_6b_{mode}.json"),
                    hf_lat, hf_thr, mode)
 
 
 def print_rows(lat, thr, hf_lat, hf_thr, mode: str) -> None:
-    scheduling = "" if mode == "sync" else ", --async-scheduling"
+    scheduling = "" if mode == "async" else ", --no-async-scheduling"
     if lat:
         hf = f"{hf_lat['tpot_s'] * 1e3:.2f} ms" if hf_lat else "n/a"
         speedup = f"{hf_lat['tpot_s'] / lat['tpot_s']:.1f}x" if hf_lat else "n/a"

@@ -29,7 +29,7 @@ def run_settings(engine) -> dict:
     args = engine.args
     return {"model": args.model, "dtype": str(engine.model_config.dtype).removeprefix("torch."),
             "tp_size": args.tp_size, "ep_size": args.ep_size, "world_size": engine.executor.world_size,
-            "async_scheduling": args.async_scheduling, "enforce_eager": args.enforce_eager,
+            "async_scheduling": engine.async_scheduling, "enforce_eager": args.enforce_eager,
             "max_num_seqs": args.max_num_seqs}
 
 

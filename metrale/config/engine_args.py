@@ -61,8 +61,9 @@ class EngineArgs:
     attention_backend: str = option("auto", "Attention implementation; auto: triton on CUDA, torch on CPU",
                                     choices=("auto", "torch", "triton"))
     enforce_eager: bool = option(False, "Never capture CUDA graphs")
-    async_scheduling: bool = option(False, "Plan step N+1 while step N runs on the device (its sampled tokens feed "
-                                           "step N+1 on the device); one rank only. Experimental")
+    async_scheduling: bool | None = option(None, "Plan step N+1 while step N runs on the device (its sampled tokens "
+                                                  "feed step N+1 on the device); default: on with CUDA and one rank, "
+                                                  "where it overlaps the host's work with the GPU's")
     oom_watchdog_mib: int = option(1024, "On GPU: exit (status 1) when free device memory stays below this many "
                                          "MiB for 3 readings 2 s apart; 0 turns the watchdog off")
     enable_prefix_caching: bool = option(True, "Reuse the KV of full blocks shared with earlier requests")

@@ -54,9 +54,18 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         # The launched step whose result is not applied yet (asynchronous scheduling only).
         self._inflight = None
-        self._async = args.async_scheduling and self.executor.supports_async
+        self.async_scheduling = self._resolve_async_scheduling(args.async_scheduling)
         self._seed_rng = random.Random(args.seed)
         self._children: dict[str, list[str]] = {}
+
+    def _resolve_async_scheduling(self, asked: bool | None) -> bool:
+        """On by default where it pays: a CUDA device (the host plans while the GPU runs) and one
+        rank (worker ranks follow rank 0's sampled tokens one step at a time)."""
+        if not self.executor.supports_async:
+            if asked:
+                logger.warning("--async-scheduling needs a single-rank engine; steps run synchronously")
+            return False
+        return asked if asked is not None else self.device.type == "cuda"
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -142,7 +151,7 @@ class LLMEngine:
         if self._inflight is not None:
             self._complete(*self._inflight, touched)
         self._inflight = None
-        if self._async and not plan.is_empty:
+        if self.async_scheduling and not plan.is_empty:
             self._inflight = (plan, pending)
         else:
             self._complete(plan, pending, touched)

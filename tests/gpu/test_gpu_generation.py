@@ -33,10 +33,13 @@ def test_triton_graphs_eager_torch_and_transformers_agree(family, checkpoint_fac
     expected = [reference_greedy(model, p, 12) for p in prompts()]
     llm, graphs = run(path, attention_backend="triton")
     assert llm.llm_engine.runner.graphs is not None
+    assert llm.llm_engine.async_scheduling  # the default on CUDA
+    _, synchronous = run(path, attention_backend="triton", async_scheduling=False)
     _, eager = run(path, attention_backend="triton", enforce_eager=True)
     _, torch_backend = run(path, attention_backend="torch", enforce_eager=True)
     _, chunked = run(path, attention_backend="triton", max_num_batched_tokens=16)
     assert graphs == expected
+    assert synchronous == expected
     assert eager == expected
     assert torch_backend == expected
     assert chunked == expected

@@ -27,13 +27,20 @@ def test_greedy_matches_transformers(family, engine_kwargs, checkpoint_factory):
     model = load_reference(path)
     expected = [reference_greedy(model, p["prompt_token_ids"], 12) for p in prompts()]
     llm = LLM(path, device="cpu", async_scheduling=True, **engine_kwargs)
-    assert llm.llm_engine._async
+    assert llm.llm_engine.async_scheduling
     outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
     if "num_kv_blocks" in engine_kwargs:
         assert llm.llm_engine.scheduler.num_preemptions_total > 0
     kv = llm.llm_engine.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_default_is_synchronous_on_the_cpu(checkpoint_factory):
+    """Nothing to overlap on the CPU (the host runs the model); the default turns on with CUDA."""
+    path = checkpoint_factory("llama")
+    assert not LLM(path, device="cpu").llm_engine.async_scheduling
+    assert not LLM(path, device="cpu", async_scheduling=False).llm_engine.async_scheduling
 
 
 def test_same_outputs_as_synchronous_for_every_kind_of_request(checkpoint_factory):
