@@ -114,6 +114,7 @@ def _sample_on_gpu(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(logits.device, non_blocking=True)
 
     vocab = logits.shape[1]
+    sampled = [r.params for r in rows if not r.params.greedy]  # greedy rows ignore the filters
     return sample_tokens_triton(
         logits.contiguous(),
         column([r.params.temperature for r in rows], torch.float32),
@@ -121,7 +122,9 @@ def _sample_on_gpu(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         column([r.params.top_p for r in rows], torch.float32),
         column([r.params.min_p for r in rows], torch.float32),
         column([r.seed & 0x7FFFFFFFFFFFFFFF for r in rows], torch.int64),
-        column([r.num_output_tokens for r in rows], torch.int64))
+        column([r.num_output_tokens for r in rows], torch.int64),
+        any_top_k_or_top_p=any(0 < p.top_k < vocab or p.top_p < 1.0 for p in sampled),
+        any_min_p=any(p.min_p > 0 for p in sampled))
 
 
 def _logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> list[tuple]:

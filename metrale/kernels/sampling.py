@@ -16,6 +16,14 @@ Each row's result depends only on its own logits, parameters and (seed, offset):
 the same inputs give the same token in any batch, at any batch position. No
 device->host sync happens (the caller reads the result when it needs it).
 Rows that do not use top-k / top-p skip those passes.
+
+That kernel gives each row to one program, so a few rows leave most of the GPU idle. When
+the caller knows that no row of the batch uses top-k or top-p (no thresholds to search),
+the vocab-parallel path runs instead: the row is cut into chunks, one program per (row,
+chunk) finds its chunk's max (only when a row uses min-p, which compares with the row max),
+then its chunk's best Gumbel-max score and index, and a last program per row picks the
+best chunk (the earliest on ties). Max and argmax are exact, the noise is the same function
+of (seed, offset, token), so both paths draw the same token for such a row.
 """
 
 from __future__ import annotations
@@ -133,13 +141,93 @@ def _sample_kernel(
     tl.store(out_ptr + rows, best_idx, mask=row_valid)
 
 
-def sample_tokens_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets):
+@triton.jit
+def _chunk_max_kernel(logits_ptr, chunk_max_ptr, temp_ptr, vocab, stride_row, num_chunks, eps,
+                      BLOCK_V: tl.constexpr):
+    # One program per (row, chunk): max of l over the chunk.
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    temp = tl.load(temp_ptr + row)
+    temp = tl.where(temp < eps, 1.0, temp)
+    v = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + v, mask=v < vocab, other=float("-inf"))
+    tl.store(chunk_max_ptr + row * num_chunks + chunk, tl.max(tl.div_rn(x, temp), 0))
+
+
+@triton.jit
+def _chunk_draw_kernel(logits_ptr, chunk_max_ptr, chunk_best_ptr, chunk_idx_ptr, temp_ptr, min_p_ptr, seed_ptr,
+                       offset_ptr, vocab, stride_row, num_chunks, eps,
+                       BLOCK_V: tl.constexpr, CHUNKS: tl.constexpr, USE_MIN_P: tl.constexpr):
+    # One program per (row, chunk): the chunk's best score (l for greedy rows, l + Gumbel noise
+    # otherwise) over kept tokens, and its index (the first on ties).
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    temp = tl.load(temp_ptr + row)
+    greedy = temp < eps
+    temp = tl.where(greedy, 1.0, temp)
+    v = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_vocab = v < vocab
+    l = tl.div_rn(tl.load(logits_ptr + row.to(tl.int64) * stride_row + v, mask=in_vocab, other=float("-inf")), temp)
+    keep = in_vocab
+    if USE_MIN_P:
+        c = tl.arange(0, CHUNKS)
+        m = tl.max(tl.load(chunk_max_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf")), 0)
+        min_p = tl.where(greedy, 0.0, tl.load(min_p_ptr + row))
+        keep = keep & (tl.exp(l - m) >= min_p)
+    if greedy:
+        score = tl.where(keep, l, float("-inf"))
+    else:
+        u = tl.rand(tl.load(seed_ptr + row), tl.load(offset_ptr + row) * vocab + v)
+        gumbel = -tl.log(-tl.log(tl.maximum(u, 1e-20)))
+        score = tl.where(keep, l + gumbel, float("-inf"))
+    tl.store(chunk_best_ptr + row * num_chunks + chunk, tl.max(score, 0))
+    tl.store(chunk_idx_ptr + row * num_chunks + chunk,
+             tl.argmax(score, 0, tie_break_left=True).to(tl.int64) + chunk * BLOCK_V)
+
+
+@triton.jit
+def _pick_chunk_kernel(chunk_best_ptr, chunk_idx_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr):
+    # One program per row: the best chunk, the earliest on ties (so the first index overall).
+    row = tl.program_id(0)
+    c = tl.arange(0, CHUNKS)
+    best = tl.load(chunk_best_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
+    winner = tl.argmax(best, 0, tie_break_left=True)
+    tl.store(out_ptr + row, tl.load(chunk_idx_ptr + row * num_chunks + winner))
+
+
+def _sample_vocab_parallel(logits, temperature, min_p, seeds, offsets, out, use_min_p: bool):
+    n, vocab = logits.shape
+    block_v = 256 if interpret_mode() else 4096
+    num_chunks = triton.cdiv(vocab, block_v)
+    chunk_max = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
+    chunk_best = torch.empty_like(chunk_max)
+    chunk_idx = torch.empty(n, num_chunks, dtype=torch.int64, device=logits.device)
+    chunks_p2 = triton.next_power_of_2(num_chunks)
+    if use_min_p:
+        _chunk_max_kernel[(n, num_chunks)](logits, chunk_max, temperature, vocab, logits.stride(0), num_chunks,
+                                           SAMPLING_EPS, BLOCK_V=block_v, num_warps=8)
+    _chunk_draw_kernel[(n, num_chunks)](logits, chunk_max, chunk_best, chunk_idx, temperature, min_p, seeds, offsets,
+                                        vocab, logits.stride(0), num_chunks, SAMPLING_EPS, BLOCK_V=block_v,
+                                        CHUNKS=chunks_p2, USE_MIN_P=use_min_p, num_warps=8)
+    _pick_chunk_kernel[(n,)](chunk_best, chunk_idx, out, num_chunks, CHUNKS=chunks_p2, num_warps=1)
+    return out
+
+
+def sample_tokens_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
+                         any_top_k_or_top_p: bool = True, any_min_p: bool = True):
+    """The flags say what the caller knows of the rows without reading the device: with
+    any_top_k_or_top_p=False (no row filters by top-k or top-p) the vocab-parallel path runs,
+    and any_min_p=False (no row uses min-p) spares it the row max. Both are upper bounds: True is
+    always correct."""
     n, vocab = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(-1) == 1
     dev = logits.device
     out = torch.empty(n, dtype=torch.int64, device=dev)
     if n == 0:
         return out
+    if not any_top_k_or_top_p:
+        return _sample_vocab_parallel(
+            logits, temperature.to(device=dev, dtype=torch.float32).contiguous(),
+            min_p.to(device=dev, dtype=torch.float32).contiguous(), seeds.to(device=dev, dtype=torch.int64).contiguous(),
+            offsets.to(device=dev, dtype=torch.int64).contiguous(), out, any_min_p)
     # ROWS is a constant per platform, never a function of the batch: batch invariance.
     rows = 32 if interpret_mode() else 1
     _sample_kernel[(triton.cdiv(n, rows),)](

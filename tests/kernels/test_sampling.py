@@ -148,3 +148,75 @@ def test_sampling_gpu():
     perm = torch.randperm(n, generator=g).cuda()
     assert torch.equal(_draw(logits[perm], {k: v[perm] for k, v in params.items()}, seeds[perm], offsets[perm]),
                        out[perm])
+
+
+# Rows with no top-k / top-p: what the vocab-parallel path serves.
+UNFILTERED = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.6, 0, 1.0, 0.0), (1.3, 0, 1.0, 0.3), (0.8, 0, 1.0, 0.05)]
+
+
+def _both_paths(logits, rows, device, seeds, offsets):
+    params = _params(rows, device)
+    per_row = _draw(logits, params, seeds, offsets)
+    any_min_p = any(r[3] > 0 for r in rows)
+    parallel = sample_tokens_triton(logits, **params, seeds=seeds, offsets=offsets, any_top_k_or_top_p=False,
+                                    any_min_p=any_min_p)
+    return per_row, parallel
+
+
+@pytest.mark.parametrize("vocab", [300, 1000, 1024])  # 2, 4 and exactly 4 chunks of 256 (interpreter)
+def test_vocab_parallel_path_draws_the_same_tokens(device, vocab):
+    """Same token as the one-row-per-program kernel for every row without top-k / top-p:
+    greedy (first index on ties, across chunks), temperature, min-p."""
+    g = torch.Generator().manual_seed(4)
+    n = 15
+    logits = torch.randn(n, vocab, generator=g) * 3
+    logits[0, [5, vocab - 1]] = 40.0  # a greedy tie across chunks
+    logits[5, [vocab - 2, vocab - 1]] = 40.0  # a greedy tie inside the last chunk
+    logits[10, :] = float("-inf")
+    logits[10, 7] = 0.0  # one finite logit
+    rows = [UNFILTERED[i % len(UNFILTERED)] for i in range(n)]
+    seeds = torch.randint(0, 2**62, (n,), generator=g).to(device)
+    for offset in (0, 3, 2**35):
+        offsets = torch.full((n,), offset, dtype=torch.int64).to(device)
+        per_row, parallel = _both_paths(logits.to(device), rows, device, seeds, offsets)
+        assert torch.equal(per_row, parallel)
+        assert parallel[0].item() == 5 and parallel[5].item() == vocab - 2 and parallel[10].item() == 7
+
+
+def test_vocab_parallel_path_without_min_p_skips_the_row_max(device):
+    g = torch.Generator().manual_seed(5)
+    n, vocab = 8, 700
+    logits = (torch.randn(n, vocab, generator=g) * 2).to(device)
+    rows = [UNFILTERED[i % 3] for i in range(n)]  # no min-p
+    seeds, offsets = torch.arange(n).to(device), torch.arange(n).to(device)
+    per_row, parallel = _both_paths(logits, rows, device, seeds, offsets)
+    assert torch.equal(per_row, parallel)
+
+
+def test_vocab_parallel_distribution_matches_reference(device):
+    n_draws = 512
+    configs = UNFILTERED[1:]
+    rows = [c for c in configs for _ in range(n_draws)]
+    logits = BASE.repeat(len(rows), 1).to(device)
+    params = _params(rows, device)
+    seeds = torch.full((len(rows),), 99, dtype=torch.int64, device=device)
+    offsets = torch.arange(len(rows), dtype=torch.int64, device=device)
+    out = sample_tokens_triton(logits, **params, seeds=seeds, offsets=offsets, any_top_k_or_top_p=False)
+    out = out.cpu().view(len(configs), n_draws)
+    ref = reference.filter_logits(BASE.repeat(len(configs), 1), **_params(configs, "cpu"))
+    for i in range(len(configs)):
+        freq = torch.bincount(out[i], minlength=10).double() / n_draws
+        assert (ref[i][freq > 0] > 0).all(), f"config {configs[i]}: drew a filtered token"
+        p = ref[i].double()
+        assert ((freq - p).abs() <= 4.5 * (p * (1 - p) / n_draws).sqrt() + 1e-9).all()
+
+
+@pytest.mark.gpu
+def test_vocab_parallel_path_gpu():
+    g = torch.Generator().manual_seed(6)
+    vocab = 151936
+    for n in (1, 7, 256):
+        logits = (torch.randn(n, vocab, generator=g) * 3).cuda()
+        rows = [UNFILTERED[i % len(UNFILTERED)] for i in range(n)]
+        per_row, parallel = _both_paths(logits, rows, "cuda", torch.arange(n).cuda(), torch.full((n,), 11).cuda())
+        assert torch.equal(per_row, parallel)
