@@ -5,13 +5,19 @@ on the CPU, then every rank runs the same plan on its shard; the layers' collect
 the forward pass. A message is a msgpack map sent as two broadcasts: its length (one int64),
 then its bytes (uint8). Never pickle.
 
-    {"type": "step", "plan": SchedulerOutput.to_wire(), "sampled": {request_id: token_id}}
+    {"type": "step", "step": N, "plan": SchedulerOutput.to_wire(), "read_first": bool,
+     "sampled": [M, {request_id: token_id}]}
     {"type": "stop"}
 
 Every rank samples (the logits are all-gathered, identical everywhere, and each request's draws
-come from its own seeded stream), so a step costs no collective after the forward pass. Rank 0
-is still the authority: "sampled" carries the tokens rank 0 drew in the previous step, and a
-worker adopts them before running the next one, so ranks cannot drift apart silently.
+come from its own seeded stream), so a step costs no collective after the forward pass, and a
+worker runs its steps exactly as rank 0 runs its own: launch step N, whose placeholder tokens
+are taken from the device, then read step N-1's tokens. "read_first" says that rank 0 read the
+step in flight before launching this one (synchronous scheduling, or a step that needs the real
+tokens), and the worker does the same. Rank 0 is still the authority: "sampled" carries the
+tokens of the last step M it read; a worker compares them with its own. A worker that drew other
+tokens takes rank 0's when step M is the last it launched (synchronous scheduling); otherwise
+its KV already holds its own, and it reports the divergence.
 
 Run as:
     python -m metrale.distributed.worker --rank R --engine-args JSON --spawned-by PID   (rank 0 spawns these)
@@ -58,11 +64,57 @@ class StepChannel:
         return msgpack.unpackb(payload.numpy().tobytes(), raw=False, strict_map_key=False)
 
 
-def step_message(plan, sampled: dict[str, int]) -> dict:
-    return {"type": "step", "plan": plan.to_wire(), "sampled": sampled}
+def step_message(step: int, plan, read_first: bool, sampled: tuple[int, dict[str, int]]) -> dict:
+    return {"type": "step", "step": step, "plan": plan.to_wire(), "read_first": read_first,
+            "sampled": list(sampled)}
 
 
 STOP_MESSAGE = {"type": "stop"}
+
+
+class StepFollower:
+    """A worker's side of the step protocol: launches rank 0's plans in rank 0's order, reads
+    its own tokens, and checks them against rank 0's."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.inflight: tuple[int, object] | None = None  # (step, PendingOutput) not read yet
+        self.last_launched = -1
+        self.mine: dict[int, dict[str, int]] = {}  # this rank's tokens of read steps rank 0 has not confirmed
+        self.diverged = 0
+
+    def run(self, message: dict) -> None:
+        from metrale.engine.scheduler_output import SchedulerOutput
+
+        if message.get("read_first", True):
+            self._read_inflight()
+        self._check(*message["sampled"])
+        launched = self.runner.execute_async(SchedulerOutput.from_wire(message["plan"]))
+        self._read_inflight()
+        self.inflight, self.last_launched = (message["step"], launched), message["step"]
+
+    def _read_inflight(self) -> None:
+        if self.inflight is not None:
+            step, pending = self.inflight
+            self.mine[step] = dict(pending.result().sampled_token_ids)
+            self.inflight = None
+
+    def _check(self, step: int, theirs: dict[str, int]) -> None:
+        mine = self.mine.pop(step, {})
+        for older in [s for s in self.mine if s < step]:
+            del self.mine[older]
+        differ = {rid: token for rid, token in theirs.items() if rid in mine and mine[rid] != token}
+        if not differ:
+            return
+        if step == self.last_launched and self.inflight is None:
+            adopt_sampled(self.runner, differ)  # nothing built on them yet: follow rank 0
+            message = "this rank sampled other tokens than rank 0 (nondeterministic logits?); following rank 0"
+        else:
+            message = (f"this rank sampled other tokens than rank 0 at step {step} under asynchronous "
+                       f"scheduling ({len(differ)} request(s)); its KV holds its own")
+        if not self.diverged:
+            logger.warning(message)
+        self.diverged += len(differ)
 
 
 def adopt_sampled(runner, sampled: dict[str, int]) -> int:
@@ -78,20 +130,14 @@ def adopt_sampled(runner, sampled: dict[str, int]) -> int:
 
 def serve_steps(runner, channel: StepChannel) -> int:
     """Run rank 0's plans until the stop message; returns the number of steps."""
-    from metrale.engine.scheduler_output import SchedulerOutput
-
-    steps, warned = 0, False
+    follower, steps = StepFollower(runner), 0
     while True:
         message = channel.receive()
         if message["type"] == "stop":
             return steps
         if message["type"] != "step":
             raise RuntimeError(f"unknown message from rank 0: {message['type']!r}")
-        if adopt_sampled(runner, message.get("sampled") or {}) and not warned:
-            warned = True
-            logger.warning("this rank sampled other tokens than rank 0 (nondeterministic logits?); "
-                           "following rank 0")
-        runner.execute(SchedulerOutput.from_wire(message["plan"]))
+        follower.run(message)
         steps += 1
 
 

@@ -59,11 +59,12 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}
 
     def _resolve_async_scheduling(self, asked: bool | None) -> bool:
-        """On by default where it pays: a CUDA device (the host plans while the GPU runs) and one
-        rank (worker ranks follow rank 0's sampled tokens one step at a time)."""
+        """On by default where it pays: on a CUDA device the host plans step N+1 while the GPU
+        runs step N; on the CPU the host is the device, and there is nothing to overlap."""
         if not self.executor.supports_async:
             if asked:
-                logger.warning("--async-scheduling needs a single-rank engine; steps run synchronously")
+                logger.warning("this executor cannot launch a step before reading the previous one; "
+                               "steps run synchronously")
             return False
         return asked if asked is not None else self.device.type == "cuda"
 

@@ -18,14 +18,20 @@ from metrale.executor.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
-class FinishedStep:
-    """A step that already ran, with the interface of a launched one (PendingOutput)."""
+class RankZeroStep:
+    """Rank 0's launched step (a PendingOutput); reading its tokens records them, with the step's
+    number, for the next message to the workers."""
 
-    def __init__(self, result: ModelRunnerOutput):
-        self._result = result
+    def __init__(self, executor: "MultiprocExecutor", step: int, pending):
+        self.executor, self.step, self.pending = executor, step, pending
+        self.read = False
 
     def result(self) -> ModelRunnerOutput:
-        return self._result
+        out = self.pending.result()
+        if not self.read:
+            self.read = True
+            self.executor.last_read = (self.step, dict(out.sampled_token_ids))
+        return out
 
 
 class UniprocExecutor:
@@ -61,13 +67,13 @@ def _stop(channel: StepChannel, parallel: ParallelRuntime, runner: ModelRunner) 
 
 
 class MultiprocExecutor:
-    # Worker ranks follow the tokens rank 0 drew in the previous step: steps run one at a time.
-    supports_async = False
+    supports_async = True  # every rank launches step N+1 before reading step N (worker.StepFollower)
 
     def __init__(self, runner: ModelRunner, parallel: ParallelRuntime):
         self.runner, self.parallel = runner, parallel
         self.channel = StepChannel(parallel.control_group)
-        self._last_sampled: dict[str, int] = {}
+        self.last_read: tuple[int, dict[str, int]] = (-1, {})  # the last step whose tokens rank 0 read
+        self._launched: RankZeroStep | None = None
         self._failed: BaseException | None = None
         # Not a method of self: the finalizer must not keep the executor alive.
         self._stopper = weakref.finalize(self, _stop, self.channel, parallel, runner)
@@ -77,14 +83,21 @@ class MultiprocExecutor:
         return self.parallel.topology.world_size
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_async(plan).result()
+
+    def execute_async(self, plan: SchedulerOutput) -> RankZeroStep:
+        """Send the plan to the workers, then launch it here; the workers follow the same order
+        of launches and reads as this rank."""
         if self._failed is not None:
             raise WorkerDiedError(f"the engine's worker ranks are gone: {self._failed}")
         if self.parallel.closed:
             raise WorkerDiedError("the multi-rank engine was shut down")
+        previous = self._launched
+        step = 0 if previous is None else previous.step + 1
         try:
             self.parallel.check_workers()
-            self.channel.send(step_message(plan, self._last_sampled))
-            out = self.runner.execute(plan)
+            self.channel.send(step_message(step, plan, previous is None or previous.read, self.last_read))
+            self._launched = RankZeroStep(self, step, self.runner.execute_async(plan))
         except WorkerDiedError as e:
             self._failed = e
             raise
@@ -92,11 +105,7 @@ class MultiprocExecutor:
             # gloo reports a peer that went away as a RuntimeError ("Connection closed by peer").
             self._failed = self.parallel.failure(e)
             raise self._failed from e
-        self._last_sampled = dict(out.sampled_token_ids)
-        return out
-
-    def execute_async(self, plan: SchedulerOutput) -> FinishedStep:
-        return FinishedStep(self.execute(plan))
+        return self._launched
 
     def shutdown(self) -> None:
         """Stop the workers and drop the process groups; the engine cannot step afterwards."""

@@ -106,11 +106,27 @@ def test_tokens_match_one_rank_and_transformers(case, checkpoint, references):
     name, sizes = case
     hf, single_greedy, single_seeded = references(name)
     assert single_greedy == hf
-    # Asking for asynchronous scheduling is no error above one rank: steps run synchronously.
-    llm = engine(checkpoint(name), master_port=free_port(), async_scheduling=True, **sizes)
+    llm = engine(checkpoint(name), master_port=free_port(), **sizes)
     try:
         assert llm.llm_engine.executor.world_size == (4 if sizes.get("world_size") == 4 else 2)
-        assert not llm.llm_engine.async_scheduling
+        assert not llm.llm_engine.async_scheduling  # the CPU's default
+        greedy, seeded = run(llm)
+    finally:
+        llm.llm_engine.shutdown()
+    assert greedy == hf
+    assert seeded == single_seeded
+
+
+@pytest.mark.parametrize("case", [("qwen3", dict(tp_size=2)), ("qwen3_moe", dict(tp_size=2, ep_size=2, world_size=4))],
+                         ids=_case_id)
+def test_asynchronous_scheduling_over_ranks(case, checkpoint, references):
+    """Every rank launches step N+1 before reading step N's tokens, taking them from its own
+    device; the workers check theirs against rank 0's. Same tokens as one rank and transformers."""
+    name, sizes = case
+    hf, _, single_seeded = references(name)
+    llm = engine(checkpoint(name), master_port=free_port(), async_scheduling=True, **sizes)
+    try:
+        assert llm.llm_engine.async_scheduling
         greedy, seeded = run(llm)
     finally:
         llm.llm_engine.shutdown()

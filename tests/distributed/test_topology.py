@@ -211,10 +211,76 @@ def test_step_message_round_trips_through_msgpack():
                             logprobs=2, repetition_penalty=1.1, eos_token_ids=[9])
     plan = SchedulerOutput([NewRequestData("a", [1, 2, 3], 2, params, 2**63 - 1, [0, 1], 0)],
                            [CachedRequestData("b", [7], 33)], {"a": 3, "b": 1}, ["c"], [(1, 5)])
-    wire = msgpack.unpackb(msgpack.packb(step_message(plan, {"b": 12}), use_bin_type=True), raw=False,
-                           strict_map_key=False)
-    assert wire["type"] == "step" and wire["sampled"] == {"b": 12}
+    wire = msgpack.unpackb(msgpack.packb(step_message(4, plan, False, (3, {"b": 12})), use_bin_type=True),
+                           raw=False, strict_map_key=False)
+    assert wire["type"] == "step" and wire["step"] == 4 and wire["read_first"] is False
+    assert wire["sampled"] == [3, {"b": 12}]
     assert SchedulerOutput.from_wire(wire["plan"]) == plan
+
+
+class _FakeRunner:
+    """Launches record their order; each step samples token 100 + step for request "a"."""
+
+    def __init__(self, draws=None):
+        self.requests = {"a": SimpleNamespace(token_ids=[1, 2])}
+        self.log, self.launched = [], 0
+        self.draws = draws or {}
+
+    def execute_async(self, plan):
+        step, self.launched = self.launched, self.launched + 1
+        self.log.append(f"launch {step}")
+        token = self.draws.get(step, 100 + step)
+        runner = self
+
+        class Pending:
+            def result(self):
+                runner.log.append(f"read {step}")
+                runner.requests["a"].token_ids.append(token)
+                return SimpleNamespace(sampled_token_ids={"a": token})
+
+        return Pending()
+
+
+def _message(step, read_first, sampled):
+    from metrale.distributed.worker import step_message
+    from metrale.engine.scheduler_output import SchedulerOutput
+
+    return msgpack.unpackb(msgpack.packb(step_message(step, SchedulerOutput([], [], {}, [], []), read_first, sampled),
+                                         use_bin_type=True), raw=False, strict_map_key=False)
+
+
+def test_a_worker_follows_rank_zeros_order_of_launches_and_reads():
+    from metrale.distributed.worker import StepFollower
+
+    runner = _FakeRunner()
+    follower = StepFollower(runner)
+    follower.run(_message(0, True, (-1, {})))
+    follower.run(_message(1, False, (-1, {})))  # asynchronous: launch 1, then read 0
+    follower.run(_message(2, True, (0, {"a": 100})))  # a step that needs real tokens: read 1 first
+    assert runner.log == ["launch 0", "launch 1", "read 0", "read 1", "launch 2"]
+    assert follower.diverged == 0
+
+
+def test_a_worker_takes_rank_zeros_tokens_when_nothing_was_built_on_its_own():
+    from metrale.distributed.worker import StepFollower
+
+    runner = _FakeRunner(draws={0: 7})  # this rank drew 7 where rank 0 drew 100
+    follower = StepFollower(runner)
+    follower.run(_message(0, True, (-1, {})))
+    follower.run(_message(1, True, (0, {"a": 100})))  # synchronous: step 0 was the last launched
+    assert runner.requests["a"].token_ids[:3] == [1, 2, 100] and follower.diverged == 1
+
+
+def test_a_worker_reports_tokens_it_can_no_longer_take_back(caplog):
+    from metrale.distributed.worker import StepFollower
+
+    runner = _FakeRunner(draws={0: 7})
+    follower = StepFollower(runner)
+    follower.run(_message(0, True, (-1, {})))
+    follower.run(_message(1, False, (-1, {})))
+    follower.run(_message(2, False, (0, {"a": 100})))  # step 1 already ran on this rank's 7
+    assert follower.diverged == 1 and "asynchronous" in caplog.text
+    assert runner.requests["a"].token_ids[2] == 7
 
 
 def test_workers_adopt_rank_zeros_tokens():
