@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.distributed.parallel_state import get_tp_group
+from metrale.kernels.gemv import gemv
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -130,5 +131,8 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param, loaded.narrow(1, self.tp.rank * cols, cols), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        # One token (batch-1 decode) reads the weight once: on CUDA the Triton GEMV beats cuBLAS on
+        # these layers' shapes (o_proj, down_proj; benchmarks/gemv_bench.py). Elsewhere F.linear.
+        y = gemv(x, self.weight) if x.shape[0] == 1 else F.linear(x, self.weight)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
