@@ -18,8 +18,8 @@ device->host sync happens (the caller reads the result when it needs it).
 Rows that do not use top-k / top-p skip those passes.
 
 That kernel gives each row to one program, so a few rows leave most of the GPU idle. When
-the caller knows that no row of the batch uses top-k or top-p (no thresholds to search),
-the vocab-parallel path runs instead: the row is cut into chunks, one program per (row,
+the caller knows that no row of the batch uses top-k or top-p (no thresholds to search) and
+the batch has fewer rows than the GPU has SMs, the vocab-parallel path runs instead: the row is cut into chunks, one program per (row,
 chunk) finds its chunk's max (only when a row uses min-p, which compares with the row max),
 then its chunk's best Gumbel-max score and index, and a last program per row picks the
 best chunk (the earliest on ties). Max and argmax are exact, the noise is the same function
@@ -211,19 +211,26 @@ def _sample_vocab_parallel(logits, temperature, min_p, seeds, offsets, out, use_
     return out
 
 
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def sample_tokens_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
                          any_top_k_or_top_p: bool = True, any_min_p: bool = True):
     """The flags say what the caller knows of the rows without reading the device: with
-    any_top_k_or_top_p=False (no row filters by top-k or top-p) the vocab-parallel path runs,
-    and any_min_p=False (no row uses min-p) spares it the row max. Both are upper bounds: True is
-    always correct."""
+    any_top_k_or_top_p=False (no row filters by top-k or top-p) and fewer rows than the GPU has
+    SMs (always under the interpreter, for the tests) the vocab-parallel path runs, and
+    any_min_p=False (no row uses min-p) spares it the row max. Both flags are upper bounds: True
+    is always correct. Either path draws the same token for a row, so the choice keeps batch
+    invariance."""
     n, vocab = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(-1) == 1
     dev = logits.device
     out = torch.empty(n, dtype=torch.int64, device=dev)
     if n == 0:
         return out
-    if not any_top_k_or_top_p:
+    if not any_top_k_or_top_p and (interpret_mode() or n < _num_sms(dev)):
+        # A batch with fewer rows than SMs leaves most of the GPU idle one row per program.
         return _sample_vocab_parallel(
             logits, temperature.to(device=dev, dtype=torch.float32).contiguous(),
             min_p.to(device=dev, dtype=torch.float32).contiguous(), seeds.to(device=dev, dtype=torch.int64).contiguous(),
