@@ -134,6 +134,31 @@ def test_asynchronous_scheduling_over_ranks(case, checkpoint, references):
     assert seeded == single_seeded
 
 
+def test_asynchronous_ranks_with_penalties_stops_and_n(checkpoint):
+    """Steps with penalties make rank 0 read the step in flight first ("read_first"); stop
+    tokens end requests with a step in flight; n=2 forks seeded streams. Same outputs as one
+    rank with asynchronous scheduling."""
+    path = checkpoint("qwen3")
+    prompts = [{"prompt_token_ids": p} for p in make_prompts()]
+    one_rank = engine(path, async_scheduling=True).generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    stop_at = [o.outputs[0].token_ids[3] for o in one_rank]  # a token each greedy run produces
+    params = [SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at[1]]),
+              SamplingParams(temperature=0.8, max_tokens=12, n=2, seed=7, frequency_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at[3]], ignore_eos=True)]
+
+    def outputs(llm):
+        return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in llm.generate(prompts, params)]
+
+    expected = outputs(engine(path, async_scheduling=True))
+    llm = engine(path, tp_size=2, master_port=free_port(), async_scheduling=True)
+    try:
+        assert outputs(llm) == expected
+    finally:
+        llm.llm_engine.shutdown()
+    assert any(reason == "stop" for out in expected for _, reason in out)
+
+
 # Shipped configs shrunk by --hf-overrides to a few layers of small width.
 SMALL_QWEN3 = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 32}
@@ -197,12 +222,13 @@ def test_expert_layout_tp_on_a_mesh_and_bad_worlds_are_refused(checkpoint):
 # -- ranks that die --------------------------------------------------------------------------------
 
 
-def test_a_dead_worker_is_reported_and_one_engine_at_a_time(checkpoint, references):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_dead_worker_is_reported_and_one_engine_at_a_time(checkpoint, references, async_scheduling):
     path, expected = checkpoint("qwen3"), references("qwen3")[0][:1]
     with socket.socket() as busy:  # on one host a busy rendezvous port is swapped for a free one
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        llm = engine(path, tp_size=2, master_port=busy.getsockname()[1])
+        llm = engine(path, tp_size=2, master_port=busy.getsockname()[1], async_scheduling=async_scheduling)
     try:
         prompts = [{"prompt_token_ids": p} for p in make_prompts()]
         assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], GREEDY)] == expected
