@@ -55,6 +55,8 @@ class LLMEngine:
         # The launched step whose result is not applied yet (asynchronous scheduling only).
         self._inflight = None
         self.async_scheduling = self._resolve_async_scheduling(args.async_scheduling)
+        logger.info("scheduling: %s", "asynchronous (step N+1 is launched before step N's tokens are read)"
+                    if self.async_scheduling else "synchronous")
         self._seed_rng = random.Random(args.seed)
         self._children: dict[str, list[str]] = {}
 

@@ -108,9 +108,11 @@ def llama_checkpoint(checkpoint_factory) -> str:
 
 @pytest.fixture(scope="session")
 def api_server(llama_checkpoint, tmp_path_factory):
-    """The shared server of the API and validation tests: an API key, --max-n 4."""
+    """The shared server of the API and validation tests: an API key, --max-n 4, and asynchronous
+    scheduling (the default on CUDA; off by default on the CPU), so that the API runs over the
+    engine GPU users get."""
     log = str(tmp_path_factory.mktemp("serve") / "api_server.log")
-    server = ServerProcess(llama_checkpoint, log, "--max-n", "4", api_key=API_KEY).wait_ready()
+    server = ServerProcess(llama_checkpoint, log, "--max-n", "4", "--async-scheduling", api_key=API_KEY).wait_ready()
     yield server
     code = server.stop()
     assert code == 0, server.log()

@@ -33,6 +33,7 @@ def sse_events(response: httpx.Response) -> list[str]:
 def test_models(api_server, llama_checkpoint):
     models = api_server.client().models.list()
     assert [m.id for m in models.data] == [llama_checkpoint]
+    assert "scheduling: asynchronous" in api_server.log()  # the engine these tests exercise
 
 
 def test_chat_streamed_equals_non_streamed(api_server):
