@@ -56,7 +56,8 @@ def main() -> int:
             params = dict(temperature=column(temp, torch.float32), top_k=column(top_k, torch.int64),
                           top_p=column(top_p, torch.float32), min_p=column(min_p, torch.float32),
                           seeds=torch.arange(n, device="cuda"), offsets=torch.zeros(n, dtype=torch.int64, device="cuda"))
-            flags = dict(any_top_k_or_top_p=temp > 0 and (top_k > 0 or top_p < 1.0), any_min_p=temp > 0 and min_p > 0)
+            flags = dict(any_top_k=temp > 0 and top_k > 0, any_top_p=temp > 0 and top_p < 1.0,
+                         any_min_p=temp > 0 and min_p > 0)
             if temp == 0:  # the engine samples all-greedy batches with an argmax
                 cells.append(time_us(lambda: logits.argmax(dim=-1), args.iters))
                 continue

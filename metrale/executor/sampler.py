@@ -123,7 +123,7 @@ def _sample_on_gpu(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         column([r.params.min_p for r in rows], torch.float32),
         column([r.seed & 0x7FFFFFFFFFFFFFFF for r in rows], torch.int64),
         column([r.num_output_tokens for r in rows], torch.int64),
-        any_top_k_or_top_p=any(0 < p.top_k < vocab or p.top_p < 1.0 for p in sampled),
+        any_top_k=any(0 < p.top_k < vocab for p in sampled), any_top_p=any(p.top_p < 1.0 for p in sampled),
         any_min_p=any(p.min_p > 0 for p in sampled))
 
 

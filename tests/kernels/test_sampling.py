@@ -155,11 +155,17 @@ UNFILTERED = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.6, 0, 1.0, 0.0), (1.3, 
 
 
 def _both_paths(logits, rows, device, seeds, offsets):
+    """(one program per row, vocab-parallel) draws; the full path with its threshold search
+    (default flags) must agree with both."""
+    from metrale.kernels.sampling import _Launch, _sample_per_row
+
     params = _params(rows, device)
-    per_row = _draw(logits, params, seeds, offsets)
+    per_row = _sample_per_row(_Launch(logits), logits, params["temperature"], params["min_p"], seeds, offsets,
+                              torch.empty(len(rows), dtype=torch.int64, device=device))
     any_min_p = any(r[3] > 0 for r in rows)
-    parallel = sample_tokens_triton(logits, **params, seeds=seeds, offsets=offsets, any_top_k_or_top_p=False,
-                                    any_min_p=any_min_p)
+    parallel = sample_tokens_triton(logits, **params, seeds=seeds, offsets=offsets, any_top_k=False,
+                                    any_top_p=False, any_min_p=any_min_p)
+    assert torch.equal(_draw(logits, params, seeds, offsets), parallel)  # thresholds INT32_MIN: same tokens
     return per_row, parallel
 
 
@@ -201,7 +207,7 @@ def test_vocab_parallel_distribution_matches_reference(device):
     params = _params(rows, device)
     seeds = torch.full((len(rows),), 99, dtype=torch.int64, device=device)
     offsets = torch.arange(len(rows), dtype=torch.int64, device=device)
-    out = sample_tokens_triton(logits, **params, seeds=seeds, offsets=offsets, any_top_k_or_top_p=False)
+    out = sample_tokens_triton(logits, **params, seeds=seeds, offsets=offsets, any_top_k=False, any_top_p=False)
     out = out.cpu().view(len(configs), n_draws)
     ref = reference.filter_logits(BASE.repeat(len(configs), 1), **_params(configs, "cpu"))
     for i in range(len(configs)):
@@ -220,3 +226,38 @@ def test_vocab_parallel_path_gpu():
         rows = [UNFILTERED[i % len(UNFILTERED)] for i in range(n)]
         per_row, parallel = _both_paths(logits, rows, "cuda", torch.arange(n).cuda(), torch.full((n,), 11).cuda())
         assert torch.equal(per_row, parallel)
+
+
+def _keys(l: torch.Tensor) -> torch.Tensor:
+    b = l.contiguous().view(torch.int32).long()
+    return torch.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+def test_radix_thresholds_keep_the_reference_support(device):
+    """Top-k by exact counts, ties at the k-th value kept; top-p by fixed-point masses on the
+    top-k survivors: the kept set {key(l) >= t} is the reference's support, row by row."""
+    from metrale.kernels.sampling import INT32_MIN, _Launch, _chunk_max_kernel, _thresholds
+
+    g = torch.Generator().manual_seed(7)
+    vocab = 1000  # 4 chunks of 256 under the interpreter
+    rows = [(1.0, 5, 1.0, 0.0), (0.7, 50, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (0.5, 0, 0.3, 0.0), (1.2, 40, 0.8, 0.0),
+            (1.0, 3, 0.5, 0.0), (0.0, 5, 0.5, 0.0), (1.0, 0, 1.0, 0.0), (1.0, 999, 0.999, 0.0)]
+    logits = torch.randn(len(rows), vocab, generator=g) * 3
+    logits[0, [10, 500, 900]] = 9.0  # ties at the top
+    logits[1, :60] = logits[1, 60:120]  # pairs of equal values everywhere
+    params = _params(rows, device)
+    x = logits.to(device)
+    launch = _Launch(x)
+    chunk_max = torch.empty(len(rows), launch.num_chunks, dtype=torch.float32, device=device)
+    from metrale.kernels.sampling import SAMPLING_EPS
+    _chunk_max_kernel[launch.grid](x, chunk_max, params["temperature"], len(rows), vocab, x.stride(0),
+                                   launch.num_chunks, SAMPLING_EPS, ROWS=launch.rows, BLOCK_V=launch.block_v)
+    t = _thresholds(launch, x, params["temperature"], params["top_k"], params["top_p"], chunk_max, True, True).cpu()
+    ref = reference.filter_logits(logits, **_params(rows, "cpu"))
+    for i, (temp, *_rest) in enumerate(rows):
+        if temp == 0.0:
+            assert t[i].item() == INT32_MIN  # greedy rows search nothing
+            continue
+        kept = _keys(logits[i] / temp) >= t[i]
+        assert torch.equal(kept, ref[i] > 0), f"row {i} {rows[i]}: {kept.sum()} kept vs {(ref[i] > 0).sum()}"
+    assert t[7].item() == INT32_MIN  # no filter
