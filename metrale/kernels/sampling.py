@@ -39,8 +39,15 @@ from metrale.kernels import interpret_mode, reference, tl, triton, use_triton
 
 SAMPLING_EPS = reference.SAMPLING_EPS
 INT32_MIN = -(2**31)
-MASS_ONE = 2**40  # fixed-point unit of a token's mass e^(l - max) <= 1; a vocab's sum fits int64
-RADIX_BITS = 8
+# Fixed-point unit of a token's mass e^(l - max) <= 1: a vocabulary's sum fits int64 with room.
+MASS_ONE = tl.constexpr(1099511627776.0)  # 2^40
+DIGIT_SHIFTS = (24, 16, 8, 0)  # radix select: 8-bit digits of the 32-bit key, most significant first
+
+
+@triton.jit
+def _mass(l, m):
+    # A token's fixed-point mass, e^(l - row max) in units of 2^-40 (0 for -inf).
+    return (tl.exp(l - m[:, None]) * MASS_ONE).to(tl.int64)
 
 
 @triton.jit
@@ -112,7 +119,7 @@ def _radix_count_kernel(logits_ptr, hist_ptr, prefix_ptr, need_ptr, floor_ptr, c
         floor = tl.load(floor_ptr + rows, mask=valid, other=0)
         m = _row_max(chunk_max_ptr, rows, valid, num_chunks, CHUNKS)
         match = match & (key >= floor[:, None])
-        weight = (tl.exp(l - m[:, None]) * 1099511627776.0).to(tl.int64)  # * MASS_ONE
+        weight = _mass(l, m)
     else:
         weight = tl.full(l.shape, 1, tl.int64)
     digit = (ukey >> SHIFT) & 255
@@ -145,7 +152,7 @@ def _mass_kernel(logits_ptr, z_ptr, floor_ptr, on_ptr, chunk_max_ptr, temp_ptr, 
     on = valid & (tl.load(on_ptr + rows, mask=valid, other=0) != 0)
     floor = tl.load(floor_ptr + rows, mask=valid, other=0)
     m = _row_max(chunk_max_ptr, rows, valid, num_chunks, CHUNKS)
-    weight = (tl.exp(l - m[:, None]) * 1099511627776.0).to(tl.int64)
+    weight = _mass(l, m)
     kept = real & (_key(l) >= floor[:, None])
     tl.atomic_add(z_ptr + rows, tl.sum(tl.where(kept, weight, 0), 1), mask=on)
 
@@ -247,8 +254,8 @@ def _radix_select(launch: _Launch, logits, temperature, need, floor, chunk_max, 
     prefix = torch.zeros(n, dtype=torch.int64, device=dev)
     searching = need > 0
     need = need.clone()
-    hist = torch.zeros(32 // RADIX_BITS, n, 256, dtype=torch.int64, device=dev)
-    for round_, shift in enumerate(range(32 - RADIX_BITS, -1, -RADIX_BITS)):
+    hist = torch.zeros(len(DIGIT_SHIFTS), n, 256, dtype=torch.int64, device=dev)
+    for round_, shift in enumerate(DIGIT_SHIFTS):
         _radix_count_kernel[launch.grid](
             logits, hist[round_], prefix, need, floor, chunk_max, temperature,
             n, launch.vocab, logits.stride(0), launch.num_chunks, SAMPLING_EPS,
