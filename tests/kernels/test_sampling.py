@@ -261,3 +261,22 @@ def test_radix_thresholds_keep_the_reference_support(device):
         kept = _keys(logits[i] / temp) >= t[i]
         assert torch.equal(kept, ref[i] > 0), f"row {i} {rows[i]}: {kept.sum()} kept vs {(ref[i] > 0).sum()}"
     assert t[7].item() == INT32_MIN  # no filter
+
+
+def test_edge_filters(device):
+    """top_k 1 and a tiny top_p keep only the best token; a row with one finite logit draws it;
+    a vocabulary that ends inside a chunk; a temperature just above greedy."""
+    g = torch.Generator().manual_seed(8)
+    vocab = 257
+    logits = torch.randn(6, vocab, generator=g) * 2
+    logits[2, :] = float("-inf")
+    logits[2, 200] = -3.0
+    rows = [(1.0, 1, 1.0, 0.0), (1.0, 0, 0.01, 0.0), (1.0, 7, 0.5, 0.0), (2e-5, 0, 0.9, 0.0), (0.9, 256, 1.0, 0.0),
+            (1.0, 3, 1.0, 0.5)]
+    best = logits.argmax(-1)
+    params = _params(rows, device)
+    for offset in range(4):
+        out = _draw(logits.to(device), params, torch.arange(6).to(device), torch.full((6,), offset).to(device)).cpu()
+        assert out[0] == best[0] and out[1] == best[1] and out[2] == 200 and out[3] == best[3]
+        ref = reference.filter_logits(logits, **_params(rows, "cpu"))
+        assert (ref.gather(1, out[:, None]) > 0).all()
