@@ -234,14 +234,22 @@ def _keys(l: torch.Tensor) -> torch.Tensor:
 
 
 def test_radix_thresholds_keep_the_reference_support(device):
+    _check_radix_thresholds(device, vocab=1000)  # 4 chunks of 256 under the interpreter
+
+
+@pytest.mark.gpu
+def test_radix_thresholds_keep_the_reference_support_gpu():
+    _check_radix_thresholds("cuda", vocab=151936)
+
+
+def _check_radix_thresholds(device, vocab):
     """Top-k by exact counts, ties at the k-th value kept; top-p by fixed-point masses on the
     top-k survivors: the kept set {key(l) >= t} is the reference's support, row by row."""
     from metrale.kernels.sampling import INT32_MIN, _Launch, _chunk_max_kernel, _thresholds
 
     g = torch.Generator().manual_seed(7)
-    vocab = 1000  # 4 chunks of 256 under the interpreter
     rows = [(1.0, 5, 1.0, 0.0), (0.7, 50, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (0.5, 0, 0.3, 0.0), (1.2, 40, 0.8, 0.0),
-            (1.0, 3, 0.5, 0.0), (0.0, 5, 0.5, 0.0), (1.0, 0, 1.0, 0.0), (1.0, 999, 0.999, 0.0)]
+            (1.0, 3, 0.5, 0.0), (0.0, 5, 0.5, 0.0), (1.0, 0, 1.0, 0.0), (1.0, vocab - 1, 0.999, 0.0)]
     logits = torch.randn(len(rows), vocab, generator=g) * 3
     logits[0, [10, 500, 900]] = 9.0  # ties at the top
     logits[1, :60] = logits[1, 60:120]  # pairs of equal values everywhere
