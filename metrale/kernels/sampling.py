@@ -24,9 +24,10 @@ single row uses the whole GPU:
   3. each (row, chunk) finds its best Gumbel score and index among kept tokens; one program per
      row picks the best chunk (the earliest on ties, so the first index overall).
 
-A batch that needs no threshold and has at least as many rows as the GPU has SMs takes one
-program per row instead (`_row_draw_kernel`: max and draw in two passes), which fills the GPU by
-rows alone. Both paths draw the same token for such a row: max and argmax are exact and the
+A batch with at least as many rows as the GPU has SMs fills it by rows alone and takes one
+program per row instead (`_row_sample_kernel`: no partials, no atomics), finding the same
+thresholds by bisection over the same integer counts and fixed-point masses. Both paths draw
+the same token for a row: the thresholds are the same keys, max and argmax are exact, and the
 noise is the same function of (seed, offset, index). So a row's token depends only on its own
 logits, parameters and (seed, offset): the same in any batch, at any position in it.
 """
@@ -198,22 +199,68 @@ def _pick_chunk_kernel(chunk_best_ptr, chunk_idx_ptr, out_ptr, n_rows, num_chunk
 
 
 @triton.jit
-def _row_draw_kernel(logits_ptr, out_ptr, temp_ptr, min_p_ptr, seed_ptr, offset_ptr, n_rows, vocab, stride_row,
-                     eps, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
-    # One program per row block, for batches with no thresholds: the row max (for min-p), then
-    # the Gumbel-max draw, each a pass over the vocab in BLOCK_V chunks.
+def _row_sample_kernel(logits_ptr, out_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr,
+                       n_rows, vocab, stride_row, eps, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+    # One program per row block, for batches that fill the GPU by rows alone; every pass streams
+    # the row in BLOCK_V chunks. The thresholds are found by bisection on the key over the same
+    # integer counts and fixed-point masses as the radix select, so they are the same keys.
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     valid = rows < n_rows
     row_off = rows.to(tl.int64) * stride_row
     greedy, temp = _row_params(temp_ptr, rows, valid, eps)
+    top_k = tl.load(top_k_ptr + rows, mask=valid, other=0).to(tl.int64)
+    top_p = tl.load(top_p_ptr + rows, mask=valid, other=1.0)
     min_p = tl.where(greedy, 0.0, tl.load(min_p_ptr + rows, mask=valid, other=0.0))
+    k_on = (top_k > 0) & (top_k < vocab) & ~greedy & valid
+    p_on = (top_p < 1.0) & ~greedy & valid
     cols = tl.arange(0, BLOCK_V)[None, :]
     rv = valid[:, None]
+
     m = tl.full([ROWS], float("-inf"), tl.float32)
     for v0 in range(0, vocab, BLOCK_V):
         v = v0 + cols
         m = tl.maximum(m, tl.max(_scaled(logits_ptr, row_off, v, rv & (v < vocab), temp), 1))
-    m = tl.where(valid, m, 0.0)
+    m = tl.where(valid, m, 0.0)  # padding rows: avoid (-inf) - (-inf)
+
+    # Top-k: the largest key t with count(key >= t) >= k. Invariant: the answer is in [lo, hi].
+    lo = tl.full([ROWS], -2147483648, tl.int64)
+    if tl.max(k_on.to(tl.int32), 0) > 0:
+        hi = tl.full([ROWS], 2147483647, tl.int64)
+        for _ in range(32):  # the key range is 2^32 wide: 32 halvings leave lo == hi
+            mid = (lo + hi + 1) >> 1
+            cnt = tl.zeros([ROWS], tl.int64)
+            for v0 in range(0, vocab, BLOCK_V):
+                v = v0 + cols
+                key = _key(_scaled(logits_ptr, row_off, v, rv & (v < vocab), temp))
+                cnt += tl.sum(((key >= mid[:, None]) & rv & (v < vocab)).to(tl.int64), 1)
+            ok = cnt >= top_k
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        lo = tl.where(k_on, lo, -2147483648)
+    t = lo
+
+    # Top-p over the top-k survivors: the largest key with mass(key >= t) >= ceil(top_p * Z).
+    if tl.max(p_on.to(tl.int32), 0) > 0:
+        z = tl.zeros([ROWS], tl.int64)
+        for v0 in range(0, vocab, BLOCK_V):
+            v = v0 + cols
+            l = _scaled(logits_ptr, row_off, v, rv & (v < vocab), temp)
+            z += tl.sum(tl.where(_key(l) >= t[:, None], _mass(l, m), 0), 1)
+        target = tl.maximum(tl.math.ceil(top_p.to(tl.float64) * z.to(tl.float64)).to(tl.int64), 1)
+        lo = t
+        hi = tl.full([ROWS], 2147483647, tl.int64)
+        for _ in range(32):
+            mid = (lo + hi + 1) >> 1
+            mass = tl.zeros([ROWS], tl.int64)
+            for v0 in range(0, vocab, BLOCK_V):
+                v = v0 + cols
+                l = _scaled(logits_ptr, row_off, v, rv & (v < vocab), temp)
+                mass += tl.sum(tl.where(_key(l) >= mid[:, None], _mass(l, m), 0), 1)
+            ok = mass >= target
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        t = tl.where(p_on, lo, t)
+
     seed = tl.load(seed_ptr + rows, mask=valid, other=0)
     counter0 = tl.load(offset_ptr + rows, mask=valid, other=0) * vocab
     best = tl.full([ROWS], float("-inf"), tl.float32)
@@ -221,7 +268,7 @@ def _row_draw_kernel(logits_ptr, out_ptr, temp_ptr, min_p_ptr, seed_ptr, offset_
     for v0 in range(0, vocab, BLOCK_V):
         v = v0 + cols
         l = _scaled(logits_ptr, row_off, v, rv & (v < vocab), temp)
-        keep = rv & (v < vocab) & (tl.exp(l - m[:, None]) >= min_p[:, None])
+        keep = rv & (v < vocab) & (_key(l) >= t[:, None]) & (tl.exp(l - m[:, None]) >= min_p[:, None])
         u = tl.rand(seed[:, None], counter0[:, None] + v)
         gumbel = -tl.log(-tl.log(tl.maximum(u, 1e-20)))
         score = tl.where(keep, tl.where(greedy[:, None], l, l + gumbel), float("-inf"))
@@ -302,17 +349,18 @@ def sample_tokens_triton(logits, temperature, top_k, top_p, min_p, seeds, offset
     seeds = seeds.to(device=dev, dtype=torch.int64).contiguous()
     offsets = offsets.to(device=dev, dtype=torch.int64).contiguous()
     launch = _Launch(logits)
-    if not (any_top_k or any_top_p) and not interpret_mode() and n >= _num_sms(dev):
-        # Enough rows to fill the GPU one row per program: two passes, no partials.
-        return _sample_per_row(launch, logits, temperature, min_p, seeds, offsets, out)
+    top_k = top_k.to(device=dev, dtype=torch.int64).contiguous()
+    top_p = top_p.to(device=dev, dtype=torch.float32).contiguous()
+    if not interpret_mode() and n >= _num_sms(dev):
+        # Enough rows to fill the GPU one row per program: no partials, no atomics.
+        return _sample_per_row(launch, logits, temperature, top_k, top_p, min_p, seeds, offsets, out)
     chunk_max = torch.empty(n, launch.num_chunks, dtype=torch.float32, device=dev)
     if any_top_p or any_min_p:
         _chunk_max_kernel[launch.grid](logits, chunk_max, temperature, n, vocab, logits.stride(0), launch.num_chunks,
                                        SAMPLING_EPS, ROWS=launch.rows, BLOCK_V=launch.block_v, num_warps=8)
     thresholds = None
     if any_top_k or any_top_p:
-        thresholds = _thresholds(launch, logits, temperature, top_k.to(device=dev, dtype=torch.int64),
-                                 top_p.to(device=dev, dtype=torch.float32), chunk_max, any_top_k, any_top_p)
+        thresholds = _thresholds(launch, logits, temperature, top_k, top_p, chunk_max, any_top_k, any_top_p)
     chunk_best = torch.empty(n, launch.num_chunks, dtype=torch.float32, device=dev)
     chunk_idx = torch.empty(n, launch.num_chunks, dtype=torch.int64, device=dev)
     _chunk_draw_kernel[launch.grid](
@@ -325,11 +373,11 @@ def sample_tokens_triton(logits, temperature, top_k, top_p, min_p, seeds, offset
     return out
 
 
-def _sample_per_row(launch: _Launch, logits, temperature, min_p, seeds, offsets, out) -> torch.Tensor:
-    """The one-program-per-row draw (no thresholds); inputs already on the device."""
-    _row_draw_kernel[launch.row_grid](logits, out, temperature, min_p, seeds, offsets, launch.n, launch.vocab,
-                                      logits.stride(0), SAMPLING_EPS, ROWS=launch.rows,
-                                      BLOCK_V=min(triton.next_power_of_2(launch.vocab), 4096), num_warps=8)
+def _sample_per_row(launch: _Launch, logits, temperature, top_k, top_p, min_p, seeds, offsets, out) -> torch.Tensor:
+    """One program per row (`_row_sample_kernel`); inputs already on the device."""
+    _row_sample_kernel[launch.row_grid](logits, out, temperature, top_k, top_p, min_p, seeds, offsets, launch.n,
+                                        launch.vocab, logits.stride(0), SAMPLING_EPS, ROWS=launch.rows,
+                                        BLOCK_V=min(triton.next_power_of_2(launch.vocab), 4096), num_warps=8)
     return out
 
 

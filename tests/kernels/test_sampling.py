@@ -155,13 +155,13 @@ UNFILTERED = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.6, 0, 1.0, 0.0), (1.3, 
 
 
 def _both_paths(logits, rows, device, seeds, offsets):
-    """(one program per row, vocab-parallel) draws; the full path with its threshold search
-    (default flags) must agree with both."""
+    """(one program per row, vocab-parallel) draws of rows without top-k / top-p; the chunked
+    path with its threshold search (default flags) must agree with both."""
     from metrale.kernels.sampling import _Launch, _sample_per_row
 
     params = _params(rows, device)
-    per_row = _sample_per_row(_Launch(logits), logits, params["temperature"], params["min_p"], seeds, offsets,
-                              torch.empty(len(rows), dtype=torch.int64, device=device))
+    per_row = _sample_per_row(_Launch(logits), logits, params["temperature"], params["top_k"], params["top_p"],
+                              params["min_p"], seeds, offsets, torch.empty(len(rows), dtype=torch.int64, device=device))
     any_min_p = any(r[3] > 0 for r in rows)
     parallel = sample_tokens_triton(logits, **params, seeds=seeds, offsets=offsets, any_top_k=False,
                                     any_top_p=False, any_min_p=any_min_p)
@@ -288,3 +288,26 @@ def test_edge_filters(device):
         assert out[0] == best[0] and out[1] == best[1] and out[2] == 200 and out[3] == best[3]
         ref = reference.filter_logits(logits, **_params(rows, "cpu"))
         assert (ref.gather(1, out[:, None]) > 0).all()
+
+
+@pytest.mark.parametrize("vocab", [700, 1024])
+def test_per_row_and_radix_paths_draw_the_same_tokens_with_filters(device, vocab):
+    """Large batches take one program per row, bisecting over the same integer counts and
+    fixed-point masses as the radix select: the same thresholds, so the same tokens."""
+    from metrale.kernels.sampling import _Launch, _sample_per_row
+
+    g = torch.Generator().manual_seed(9)
+    configs = CONFIGS + [(0.9, 40, 0.95, 0.05), (0.6, 0, 0.8, 0.0), (1.1, 5, 1.0, 0.0), (0.0, 5, 0.5, 0.1)]
+    rows = [configs[i % len(configs)] for i in range(40)]
+    logits = torch.randn(len(rows), vocab, generator=g) * 3
+    logits[3, :50] = logits[3, 50:100]  # ties everywhere in some rows
+    logits[14, 100:110] = 7.0
+    x = logits.to(device)
+    params = _params(rows, device)
+    seeds = torch.randint(0, 2**62, (len(rows),), generator=g).to(device)
+    for offset in (0, 5):
+        offsets = torch.full((len(rows),), offset, dtype=torch.int64).to(device)
+        per_row = _sample_per_row(_Launch(x), x, params["temperature"], params["top_k"], params["top_p"],
+                                  params["min_p"], seeds, offsets, torch.empty(len(rows), dtype=torch.int64,
+                                                                                device=device))
+        assert torch.equal(per_row, _draw(x, params, seeds, offsets))
