@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from metrale.config.model_config import ModelConfig
+from metrale.engine.request import PLACEHOLDER  # its value is on the device; the next step's input takes it there
 from metrale.engine.sampling_params import SamplingParams
 from metrale.engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from metrale.executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
@@ -23,9 +24,6 @@ from metrale.layers.attention.layer import Attention
 
 logger = logging.getLogger(__name__)
 
-# A token sampled by a step whose result has not been read back yet (asynchronous scheduling):
-# its value is on the device, and the next step's input takes it from there.
-PLACEHOLDER = -1
 
 
 @dataclass
@@ -224,13 +222,12 @@ class ModelRunner:
         """A step's index arrays of one dtype in ONE host->device copy: packed into one buffer
         (pinned on CUDA: each pinned staging buffer and copy costs tens of microseconds of host
         time), copied without blocking, and handed back as views of the device copy."""
-        np_dtype = np.int64 if dtype == torch.int64 else np.int32
         total = sum(a.size for a in arrays.values())
         host = torch.empty(total, dtype=dtype, pin_memory=self._pin)
         packed = host.numpy()
         offset = 0
         for array in arrays.values():
-            packed[offset:offset + array.size] = array.ravel().astype(np_dtype, copy=False)
+            packed[offset:offset + array.size] = array.ravel()  # numpy casts to the buffer's dtype
             offset += array.size
         device = host.to(self.device, non_blocking=True)
         views, offset = {}, 0
