@@ -19,7 +19,6 @@ on the CPU for the step plans rank 0 broadcasts. The TP/EP/world groups go into
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import datetime
 import ipaddress
@@ -27,8 +26,8 @@ import json
 import logging
 import os
 import subprocess
-import threading
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -39,7 +38,6 @@ from metrale.distributed import parallel_state
 from metrale.distributed.topology import (Topology, TopologyError, check_attention_heads, check_expert_layout,
                                           resolve_topology)
 from metrale.engine.errors import EngineDeadError
-
 
 # NVLink multicast stays off in NCCL, torch's symmetric memory and NVSHMEM: on shared hosts a
 # program using it can take the GPUs out of service, and nothing here needs it.

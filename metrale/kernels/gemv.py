@@ -55,7 +55,7 @@ class GemvConfig(NamedTuple):
 
 def _vec(dtype: torch.dtype, block_k: int) -> int:
     """Elements per 16-byte load, capped by the chunk width."""
-    return max(1, min(16 // torch.empty((), dtype=dtype).element_size(), block_k))
+    return max(1, min(16 // dtype.itemsize, block_k))
 
 
 def gemv_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
@@ -72,7 +72,7 @@ def gemv_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> 
     o_proj 4096x4096 10.4 vs 13.4, down 4096x12288 24.7 vs 29.2, tp=2 halves 1.15-1.45x faster;
     but qkv 6144x4096 18.2 vs 15.6, gate_up 24576x4096 56 vs 48, lm_head 315 vs 284 (cuBLAS wins).
     """
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     if N > 8192 or M == 1:
         chunk_bytes, num_warps, num_stages = 2048, 4, (3 if N > 8192 else 1)
     elif M == 2:
