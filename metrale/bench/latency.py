@@ -63,7 +63,8 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
     result = {
         "benchmark": "latency", **run_settings(engine), "batch_size": args.batch_size, "input_len": args.input_len,
         "output_len": args.output_len, "device": rates.device,
-        "ttft_s": ttft, "tpot_s": tpot, "ttft_per_iter_s": ttfts, "tpot_per_iter_s": tpots, "floor_ttft_s": prefill.seconds, "floor_tpot_s": floor_tpot,
+        "ttft_s": ttft, "tpot_s": tpot, "ttft_per_iter_s": ttfts, "tpot_per_iter_s": tpots,
+        "floor_ttft_s": prefill.seconds, "floor_tpot_s": floor_tpot,
         "tpot_floor_ratio": floor_tpot / tpot, "decode_bound": decode.bound,
         "bandwidth_tb_s": rates.bandwidth_bytes_per_s / 1e12, "matmul_tflops": rates.matmul_flops_per_s / 1e12,
         "weight_bytes_per_step": step_bytes,

@@ -45,6 +45,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _memory_plan(args: argparse.Namespace) -> int:
     import torch
 
+    from metrale.distributed.launch import shard_sizes_of, topology_from_args
     from metrale.engine.startup import plan_memory, read_model_config, resolve_device
     from metrale.executor.memory_plan import MemoryPlanError, fit_kv_blocks, resolve_max_num_seqs
 
@@ -52,8 +53,6 @@ def _memory_plan(args: argparse.Namespace) -> int:
     device_total = int(args.device_memory_gib * 2**30) if args.device_memory_gib else None
     device = torch.device("cuda") if device_total else resolve_device(engine_args.device)
     config = read_model_config(engine_args, device)
-    from metrale.distributed.launch import shard_sizes_of, topology_from_args
-
     topology, _ = topology_from_args(engine_args)
     with shard_sizes_of(topology, engine_args.moe_expert_layout):  # rank 0's shard when split
         plan = plan_memory(engine_args, config, device, device_total)
