@@ -87,6 +87,7 @@ def main():
     parser.add_argument("--max-model-len", type=int, default=4096, help="for --first-token")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--ep-size", type=int, default=1)
+    parser.add_argument("--table-rows", type=int, default=18, help="rows of the kernel table")
     parser.add_argument("--prefill-len", type=int, default=0, help="profile one prefill of this many tokens instead")
     parser.add_argument("--first-token", type=int, default=0,
                         help="time each step of one request with a prompt of this many tokens up to its first tokens")
@@ -124,7 +125,7 @@ def main():
     print(f"GPU busy {busy_us / args.active_steps / 1e3:.2f} ms/step "
           f"({sum(e.count for e in table if e.device_type == torch.autograd.DeviceType.CUDA) // args.active_steps} "
           f"kernels and copies per step)")
-    print(table.table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(table.table(sort_by="cuda_time_total", row_limit=args.table_rows, max_name_column_width=60))
     print(table.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
     llm.llm_engine.shutdown()
 

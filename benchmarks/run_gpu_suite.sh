@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one job: GPU tests, then the benchmarks of docs/benchmarks.md with their
 # transformers comparisons, then a markdown table. Run from the repository root on a CUDA machine:
-#     OUT=/tmp/out bash benchmarks/run_gpu_suite.sh [quick|bench-only|tests-only]
+#     OUT=/tmp/out bash benchmarks/run_gpu_suite.sh [quick|bench-only|tests-only|profile]
+# profile: no tests; where the time goes (kernel profiles at batch 1 and 256, the throughput
+# workload step by step against each step's floor, the sampler, the launch-gap probe) and the
+# batch-1 latency benchmark.
 # Writes $OUT/gpu_tests.log, $OUT/*.json, $OUT/summary.md.
 set -uo pipefail
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
@@ -12,6 +15,21 @@ met() { python3 -m metrale.entrypoints.cli "$@"; }
 
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))'
 echo "${MET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" > "$OUT/commit.txt"
+
+if [ "$QUICK" = "profile" ]; then
+  python3 benchmarks/pdl_probe.py > "$OUT/pdl_probe.log" 2>&1; tail -8 "$OUT/pdl_probe.log"
+  python3 benchmarks/step_timeline.py --model Qwen3-0.6B --output-json "$OUT/timeline_0_6b.json" \
+      > "$OUT/timeline_0_6b.log" 2>&1; tail -10 "$OUT/timeline_0_6b.log"
+  met bench latency --model Qwen3-8B --load-format dummy --batch-size 1 --input-len 512 --output-len 128 \
+      --max-model-len 4096 --max-num-seqs 8 --output-json "$OUT/latency_qwen3_8b_async.json" \
+      > "$OUT/latency_qwen3_8b_async.log" 2>&1; tail -4 "$OUT/latency_qwen3_8b_async.log"
+  python3 benchmarks/profile_step.py --model Qwen3-8B --num-prompts 1 --max-num-seqs 1 --table-rows 45 \
+      > "$OUT/profile_8b_bs1.log" 2>&1; grep -E "steady|GPU busy" "$OUT/profile_8b_bs1.log"
+  python3 benchmarks/profile_step.py --model Qwen3-0.6B --table-rows 45 > "$OUT/profile_0_6b_256.log" 2>&1
+  grep -E "steady|GPU busy" "$OUT/profile_0_6b_256.log"
+  python3 benchmarks/sampler_bench.py > "$OUT/sampler_bench.log" 2>&1; tail -8 "$OUT/sampler_bench.log"
+  exit 0
+fi
 
 if [ "$QUICK" != "bench-only" ]; then
   # Straight to a file (a pipe would be held open by any process a test leaves behind).
