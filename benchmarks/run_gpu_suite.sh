@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one job: GPU tests, then the benchmarks of docs/benchmarks.md with their
 # transformers comparisons, then a markdown table. Run from the repository root on a CUDA machine:
-#     OUT=/tmp/out bash benchmarks/run_gpu_suite.sh [quick|bench-only|tests-only|profile]
+#     OUT=/tmp/out bash benchmarks/run_gpu_suite.sh [quick|bench-only|tests-only|profile|pdl]
 # profile: no tests; where the time goes (kernel profiles at batch 1 and 256, the throughput
 # workload step by step against each step's floor, the sampler, the launch-gap probe) and the
 # batch-1 latency benchmark.
+# pdl: the GPU tests, then the two headline benchmarks with programmatic dependent launch (the
+# default on Hopper) and without, and the batch-1 profile; logs packed into $OUT/results.tgz.
 # Writes $OUT/gpu_tests.log, $OUT/*.json, $OUT/summary.md.
 set -uo pipefail
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
@@ -15,6 +17,25 @@ met() { python3 -m metrale.entrypoints.cli "$@"; }
 
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))'
 echo "${MET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" > "$OUT/commit.txt"
+
+if [ "$QUICK" = "pdl" ]; then
+  W=$(mktemp -d)
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs tests/gpu tests/kernels -m gpu -p no:cacheprovider \
+      --deselect tests/gpu/test_gpu_parallel.py --durations=15 > "$W/gpu_tests.log" 2>&1
+  tail -30 "$W/gpu_tests.log"
+  LAT="--model Qwen3-8B --load-format dummy --batch-size 1 --input-len 512 --output-len 128 --max-model-len 4096 --max-num-seqs 8"
+  THR="--model Qwen3-0.6B --load-format dummy --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 4096 --max-num-seqs 256"
+  for pdl in programmatic-launch no-programmatic-launch; do
+    timeout 120 python3 -m metrale.entrypoints.cli bench latency $LAT --$pdl --output-json "$W/latency_$pdl.json" \
+        > "$W/latency_$pdl.log" 2>&1; tail -3 "$W/latency_$pdl.log"
+    timeout 120 python3 -m metrale.entrypoints.cli bench throughput $THR --$pdl --output-json "$W/throughput_$pdl.json" \
+        > "$W/throughput_$pdl.log" 2>&1; tail -4 "$W/throughput_$pdl.log"
+  done
+  timeout 120 python3 benchmarks/profile_step.py --model Qwen3-8B --num-prompts 1 --max-num-seqs 1 --table-rows 30 \
+      > "$W/profile_8b_bs1.log" 2>&1; grep -E "steady|GPU busy" "$W/profile_8b_bs1.log"
+  tar -czf "$OUT/results.tgz" -C "$W" .
+  exit 0
+fi
 
 if [ "$QUICK" = "profile" ]; then
   python3 benchmarks/pdl_probe.py > "$OUT/pdl_probe.log" 2>&1; tail -8 "$OUT/pdl_probe.log"

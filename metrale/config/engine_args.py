@@ -64,6 +64,9 @@ class EngineArgs:
     async_scheduling: bool | None = option(None, "Plan step N+1 while step N runs on the device (its sampled tokens "
                                                   "feed step N+1 on the device); default: on with CUDA, where it overlaps "
                                                   "the host's work with the GPU's")
+    programmatic_launch: bool | None = option(None, "Launch the Triton kernels with programmatic dependent launch, so "
+                                                     "each starts while the one before it drains; default: on with "
+                                                     "compute capability 9.0 or newer (Hopper), where it exists")
     oom_watchdog_mib: int = option(1024, "On GPU: exit (status 1) when free device memory stays below this many "
                                          "MiB for 3 readings 2 s apart; 0 turns the watchdog off")
     enable_prefix_caching: bool = option(True, "Reuse the KV of full blocks shared with earlier requests")

@@ -175,6 +175,16 @@ def build_engine_parts(args: EngineArgs, log: StartupLog) -> EngineParts:
     return EngineParts(config, tokenizer, runner, plan, plan.max_num_seqs, executor)
 
 
+def _set_programmatic_launch(args: EngineArgs, device: torch.device) -> None:
+    """Before any kernel is compiled or captured into a graph: the choice is baked into both."""
+    from metrale.kernels import programmatic_launch_supported, set_programmatic_launch
+
+    supported = programmatic_launch_supported(device)
+    if args.programmatic_launch and not supported:
+        raise ValueError("--programmatic-launch needs a CUDA GPU of compute capability 9.0 or newer and triton")
+    set_programmatic_launch(supported if args.programmatic_launch is None else args.programmatic_launch)
+
+
 def load_tokenizer(args: EngineArgs, model_dir: str):
     if args.skip_tokenizer_init:
         return None
@@ -192,6 +202,7 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
     """This rank's memory plan, model, and runner with its KV cache. Every rank runs it in the same
     order: the profiling pass, the KV block agreement, calibration and graph capture meet in
     collectives."""
+    _set_programmatic_launch(args, device)
     plan = plan_memory(args, config, device)
     fit_kv_blocks(plan, args.num_kv_blocks)  # refuses a model that cannot fit, before allocating
     log.phase("plan memory", f"weights {plan.weight_bytes / 2**30:.2f} GiB, KV {plan.kv_bytes_per_token} B/token")
@@ -212,6 +223,11 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
         runner.capture_cuda_graphs(plan.max_num_seqs, plan.max_model_len)
     log.phase("size KV cache", f"{plan.num_kv_blocks} blocks x {args.block_size} tokens "
                                f"({plan.kv_cache_bytes / 2**20:.0f} MiB), attention backend {runner.backend.name}")
+    if device.type == "cuda" and runner.backend.name == "triton":
+        from metrale.executor.kernel_warmup import warm_up_kernels
+
+        warm_up_kernels(runner, plan.max_num_seqs)  # the same forwards on every rank (collectives)
+        log.phase("warm up kernels", "Triton variants of the first steps compiled")
     if log.enabled:
         logger.info("%s", plan.table())
     return runner, plan

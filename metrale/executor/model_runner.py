@@ -222,19 +222,20 @@ class ModelRunner:
         """A step's index arrays of one dtype in ONE host->device copy: packed into one buffer
         (pinned on CUDA: each pinned staging buffer and copy costs tens of microseconds of host
         time), copied without blocking, and handed back as views of the device copy."""
-        total = sum(a.size for a in arrays.values())
+        # Each view starts 16-byte aligned: Triton compiles a kernel variant per pointer alignment,
+        # so unaligned offsets that change from step to step would recompile the kernels.
+        align = max(1, 16 // dtype.itemsize)
+        offsets, total = [], 0
+        for array in arrays.values():
+            offsets.append(total)
+            total += -(-array.size // align) * align
         host = torch.empty(total, dtype=dtype, pin_memory=self._pin)
         packed = host.numpy()
-        offset = 0
-        for array in arrays.values():
+        for offset, array in zip(offsets, arrays.values()):
             packed[offset:offset + array.size] = array.ravel()  # numpy casts to the buffer's dtype
-            offset += array.size
         device = host.to(self.device, non_blocking=True)
-        views, offset = {}, 0
-        for name, array in arrays.items():
-            views[name] = device[offset:offset + array.size].view(array.shape)
-            offset += array.size
-        return views
+        return {name: device[offset:offset + array.size].view(array.shape)
+                for offset, (name, array) in zip(offsets, arrays.items())}
 
     def prepare_inputs(self, plan: SchedulerOutput) -> BatchInputs:
         bs = self.block_size

@@ -48,6 +48,46 @@ def triton_available() -> bool:
     return HAS_TRITON and (interpret_mode() or torch.cuda.is_available())
 
 
+# Programmatic dependent launch (Hopper and newer): a kernel launched with it may start while the
+# kernel before it drains. Every program of it waits (griddepcontrol.wait) before it reads
+# anything an earlier kernel writes, and before it could return, so it never reads unfinished
+# results nor completes before its predecessor; only weights are read before the wait. Set
+# once per process at engine startup; CUDA graphs keep the edges they were captured with.
+_PROGRAMMATIC_LAUNCH = False
+
+
+def set_programmatic_launch(enabled: bool) -> None:
+    global _PROGRAMMATIC_LAUNCH
+    _PROGRAMMATIC_LAUNCH = bool(enabled) and not interpret_mode()
+
+
+def programmatic_launch_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and HAS_TRITON and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_args() -> dict:
+    """Launch arguments of a kernel that takes a `PDL: tl.constexpr` and calls `pdl_wait(PDL)`
+    in every program before reading any activation (see above)."""
+    return {"PDL": True, "launch_pdl": True} if _PROGRAMMATIC_LAUNCH else {"PDL": False}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    # Every program waits, unconditionally, before its first read of an activation: a program
+    # that returned before waiting could let its kernel complete before the one it depends on.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_launch_dependents(PDL: tl.constexpr):
+    # Lets the next kernel's programs start (and wait for this kernel) once every program of
+    # this one has passed here: a kernel followed by one that prefetches what no kernel
+    # writes (the GEMV's weights) calls it right after pdl_wait.
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the dispatching kernel functions take the Triton path for `t`.
     CPU tensors always use the reference, even under TRITON_INTERPRET=1, so
@@ -55,4 +95,6 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
-__all__ = ["HAS_TRITON", "triton", "tl", "interpret_mode", "triton_available", "use_triton"]
+__all__ = ["HAS_TRITON", "triton", "tl", "interpret_mode", "triton_available", "use_triton", "pdl_args", "pdl_wait",
+           "pdl_launch_dependents",
+           "set_programmatic_launch", "programmatic_launch_supported"]

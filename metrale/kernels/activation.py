@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from metrale.kernels import reference, tl, triton, use_triton
+from metrale.kernels import pdl_args, pdl_launch_dependents, pdl_wait, reference, tl, triton, use_triton
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    pdl_launch_dependents(PDL)  # the down GEMV after it prefetches its weights meanwhile
     # grid: (rows, cdiv(d, BLOCK)); gate = x[row, :d], up = x[row, d:2d].
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -32,7 +34,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] > 0 and d > 0:
         block = min(triton.next_power_of_2(d), 1024)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4)
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4, **pdl_args())
     return out.view(*x.shape[:-1], d)
 
 

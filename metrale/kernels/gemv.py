@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from metrale.kernels import interpret_mode, tl, triton, use_triton  # noqa: F401  (interpret_mode: for callers)
+from metrale.kernels import interpret_mode, pdl_args, pdl_wait, tl, triton, use_triton  # noqa: F401  (interpret_mode: for callers)
 
 MAX_M = 4
 # Programs the default config aims to give each SM. 132 is an H100/H200 SXM; the constant (rather
@@ -105,6 +105,12 @@ def _gemv_chunk(acc0, acc1, acc2, acc3, w_ptrs, x_ptrs, stride_xm, kmask,
         w = tl.load(w_ptrs, mask=kmask[None, :, :], other=0.0).to(tl.float32)
     else:
         w = tl.load(w_ptrs).to(tl.float32)
+    return _gemv_rows(acc0, acc1, acc2, acc3, w, x_ptrs, stride_xm, kmask, M, MASKED)
+
+
+@triton.jit
+def _gemv_rows(acc0, acc1, acc2, acc3, w, x_ptrs, stride_xm, kmask, M: tl.constexpr, MASKED: tl.constexpr):
+    # A loaded weight tile against every row of x.
     acc0 = _gemv_acc(acc0, w, x_ptrs, kmask, MASKED)
     if M > 1:
         acc1 = _gemv_acc(acc1, w, x_ptrs + stride_xm, kmask, MASKED)
@@ -129,8 +135,12 @@ def _gemv_kernel(
     N, K, stride_xm, stride_wn, stride_ym,
     M: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N),). Program owns output columns n0..n0+BLOCK_N of every row of y.
+    # With PDL the first weight chunk is loaded BEFORE waiting for the previous kernel (no
+    # kernel writes weights), so the program streams from HBM while that kernel drains; x,
+    # which the previous kernel produced, is read only after the wait.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N re-read row N-1: loads stay unmasked
@@ -144,7 +154,14 @@ def _gemv_kernel(
     acc2 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     k_full = (K // BLOCK_K) * BLOCK_K
-    for k0 in tl.range(0, k_full, BLOCK_K, num_stages=NUM_STAGES):
+    k_start = 0
+    if PREFETCH:  # PDL and at least one full chunk
+        w_first = tl.load(w_ptrs).to(tl.float32)
+    pdl_wait(PDL)
+    if PREFETCH:
+        acc0, acc1, acc2, acc3 = _gemv_rows(acc0, acc1, acc2, acc3, w_first, x_ptrs, stride_xm, None, M, False)
+        k_start = BLOCK_K
+    for k0 in tl.range(k_start, k_full, BLOCK_K, num_stages=NUM_STAGES):
         acc0, acc1, acc2, acc3 = _gemv_chunk(acc0, acc1, acc2, acc3, w_ptrs + k0, x_ptrs + k0,
                                              stride_xm, None, M, False)
     if not EVEN_K:  # the partial last chunk
@@ -199,12 +216,13 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.block_k & (cfg.block_k - 1) == 0, cfg
     assert cfg.num_stages >= 1, cfg
     vec = _vec(x.dtype, cfg.block_k)
+    pdl = pdl_args()
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, weight, bias if bias is not None else y, y,
         N, K, x.stride(0), weight.stride(0), y.stride(0),
         M=M, HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=vec, NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PREFETCH=pdl["PDL"] and K >= cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     return y
 

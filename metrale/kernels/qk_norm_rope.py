@@ -1,4 +1,6 @@
 """Qwen3's per-head q/k RMSNorm fused with the rotary embedding: one launch, IN PLACE on q and k.
+The same launch can store the rotated K and V into the paged KV cache (any model with RoPE on
+the Triton path: `rope_store_kv_triton`), so a layer's attention prologue is one kernel.
 
 For every token t and every head of q (weight q_weight) and of k (weight k_weight):
     y = weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(dtype)    # rms_norm.py's numerics
@@ -14,19 +16,29 @@ from __future__ import annotations
 
 import torch
 
-from metrale.kernels import reference, tl, triton, use_triton
+from metrale.kernels import pdl_args, pdl_wait, reference, tl, triton, use_triton
 from metrale.kernels.rotary import rotary_pair_offsets
 
 
 @triton.jit
-def _norm_rope_head(x_ptr, w_ptr, row, cos, sin, i, eps,
-                    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, HALF: tl.constexpr,
-                    IS_NEOX: tl.constexpr, BLOCK_D: tl.constexpr):
+def _to_cache(x, inv_scale, FP8: tl.constexpr, cache_dtype: tl.constexpr):
+    # A value in the model dtype as the KV cache stores it (kv_cache_write.py's numerics): an
+    # fp8 cache holds x / scale, saturated at e4m3's largest finite value.
+    if FP8:
+        return tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0).to(cache_dtype)
+    return x.to(cache_dtype)
+
+
+@triton.jit
+def _norm_rope_head(x_ptr, w_ptr, row, kv_ptr, kv_row, inv_scale, store, cos, sin, i, eps,
+                    NORM: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, HALF: tl.constexpr,
+                    IS_NEOX: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr):
     # One head at x_ptr + row; d: its dims [BLOCK_D], i: rotary pair index [BLOCK_HALF].
     # All loads come before all stores: the whole head as one vector (its mean square is
     # summed exactly as the rms_norm kernel sums a row, so rstd matches the two-step path),
     # and the rotary pairs (x1, x2) re-read from it. Each pair is stored from the lanes that
-    # loaded it; the tail (dims >= ROT_DIM) is disjoint from every pair.
+    # loaded it; the tail (dims >= ROT_DIM) is disjoint from every pair. Where `store`, the
+    # result also goes to the KV cache at kv_ptr + kv_row.
     dtype = x_ptr.dtype.element_ty
     d = tl.arange(0, BLOCK_D)
     in_head = d < HEAD_DIM
@@ -35,64 +47,119 @@ def _norm_rope_head(x_ptr, w_ptr, row, cos, sin, i, eps,
     x = tl.load(x_ptr + row + d, mask=in_head, other=0.0).to(tl.float32)
     x1 = tl.load(x_ptr + row + i1, mask=pair, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + row + i2, mask=pair, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + d, mask=in_head, other=0.0).to(tl.float32)
-    w1 = tl.load(w_ptr + i1, mask=pair, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + i2, mask=pair, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
-    # RMSNorm's output in the model dtype: normalise, round, multiply by the weight, round.
-    y = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype)
-    y1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    y2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    tl.store(x_ptr + row + d, y, mask=in_head & (d >= ROT_DIM))  # partial rotary: the tail is only normed
+    if NORM:
+        w = tl.load(w_ptr + d, mask=in_head, other=0.0).to(tl.float32)
+        w1 = tl.load(w_ptr + i1, mask=pair, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + i2, mask=pair, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+        # RMSNorm's output in the model dtype: normalise, round, multiply by the weight, round.
+        y = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype)
+        y1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        y2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    else:  # rotary alone (rotary.py's numerics)
+        y, y1, y2 = x.to(dtype), x1, x2
     # rotary.py's math on the rounded norm output: fp32, one rounding per element
-    tl.store(x_ptr + row + i1, (y1 * cos - y2 * sin).to(dtype), mask=pair)
-    tl.store(x_ptr + row + i2, (y2 * cos + y1 * sin).to(dtype), mask=pair)
+    r1 = (y1 * cos - y2 * sin).to(dtype)
+    r2 = (y2 * cos + y1 * sin).to(dtype)
+    tail = in_head & (d >= ROT_DIM)  # partial rotary: the tail is only normed
+    if NORM:
+        tl.store(x_ptr + row + d, y, mask=tail)
+    tl.store(x_ptr + row + i1, r1, mask=pair)
+    tl.store(x_ptr + row + i2, r2, mask=pair)
+    if store:
+        kv_dtype = kv_ptr.dtype.element_ty
+        tl.store(kv_ptr + kv_row + d, _to_cache(y, inv_scale, FP8, kv_dtype), mask=tail)
+        tl.store(kv_ptr + kv_row + i1, _to_cache(r1, inv_scale, FP8, kv_dtype), mask=pair)
+        tl.store(kv_ptr + kv_row + i2, _to_cache(r2, inv_scale, FP8, kv_dtype), mask=pair)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    pos_ptr, q_ptr, k_ptr, qw_ptr, kw_ptr, cache_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
-    num_q_heads, eps,
+    pos_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos_sin,
+    stride_cb, stride_co, stride_ch,
+    num_q_heads, num_kv_heads, eps, block_size, inv_k_scale, inv_v_scale,
+    NORM: tl.constexpr, STORE_KV: tl.constexpr, FP8: tl.constexpr,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, IS_NEOX: tl.constexpr,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
-    # Grid (tokens, q heads + k heads): heads [0, num_q_heads) are q's, the rest k's.
+    pdl_wait(PDL)
+    # Grid (tokens, q heads + k heads [+ v heads with STORE_KV]): heads [0, num_q_heads) are
+    # q's, the next num_kv_heads k's, the rest v's (copied into the cache, nothing else).
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    kv_row = 0
+    store = False
+    if STORE_KV:
+        slot = tl.load(slot_ptr + t)  # -1: a padding token, nothing is stored
+        store = slot >= 0
+        kvh = (head - num_q_heads) % num_kv_heads  # k and v heads; unused for q heads
+        kv_row = (slot // block_size) * stride_cb + (slot % block_size) * stride_co + kvh * stride_ch
+    if head >= num_q_heads + num_kv_heads:
+        if store:
+            d = tl.arange(0, BLOCK_D)
+            vh = head - num_q_heads - num_kv_heads
+            v = tl.load(v_ptr + t * stride_vt + vh * stride_vh + d, mask=d < HEAD_DIM)
+            tl.store(v_cache_ptr + kv_row + d, _to_cache(v, inv_v_scale, FP8, v_cache_ptr.dtype.element_ty),
+                     mask=d < HEAD_DIM)
+        return
     pos = tl.load(pos_ptr + t)
     i = tl.arange(0, BLOCK_HALF)
-    cos = tl.load(cache_ptr + pos * stride_cache + i, mask=i < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + i, mask=i < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
     if head < num_q_heads:
-        _norm_rope_head(q_ptr, qw_ptr, t * stride_qt + head * stride_qh, cos, sin, i, eps,
-                        HEAD_DIM, ROT_DIM, HALF, IS_NEOX, BLOCK_D)
+        _norm_rope_head(q_ptr, qw_ptr, t * stride_qt + head * stride_qh, k_cache_ptr, 0, 1.0, False,
+                        cos, sin, i, eps, NORM, HEAD_DIM, ROT_DIM, HALF, IS_NEOX, BLOCK_D, FP8)
     else:
         kh = (head - num_q_heads).to(tl.int64)
-        _norm_rope_head(k_ptr, kw_ptr, t * stride_kt + kh * stride_kh, cos, sin, i, eps,
-                        HEAD_DIM, ROT_DIM, HALF, IS_NEOX, BLOCK_D)
+        _norm_rope_head(k_ptr, kw_ptr, t * stride_kt + kh * stride_kh, k_cache_ptr, kv_row, inv_k_scale, store,
+                        cos, sin, i, eps, NORM, HEAD_DIM, ROT_DIM, HALF, IS_NEOX, BLOCK_D, FP8)
 
 
 def qk_norm_rope_triton(positions, q, k, q_weight, k_weight, eps, cos_sin_cache, rotary_dim, is_neox):
     """Triton path of qk_norm_rope; modifies q and k in place (one launch) and returns them."""
+    assert q_weight is not None and k_weight is not None
+    return rope_store_kv_triton(positions, q, k, None, cos_sin_cache, rotary_dim, is_neox,
+                                qk_norm=(q_weight, k_weight, eps))
+
+
+def rope_store_kv_triton(positions, q, k, v, cos_sin_cache, rotary_dim, is_neox, qk_norm=None, kv_cache=None,
+                         slot_mapping=None, k_scale: float = 1.0, v_scale: float = 1.0):
+    """One launch: per-head RMSNorm of q and k if `qk_norm` = (q_weight, k_weight, eps), rotary
+    on both, IN PLACE; and with `kv_cache` = (k_cache, v_cache), the rotated k and v stored at
+    each token's slot (as write_kv_cache would: slot -1 stores nothing, an fp8 cache gets
+    value / scale). Returns (q, k)."""
     num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
     assert k.dim() == 3 and k.shape[0] == num_tokens == positions.shape[0] and k.shape[2] == head_dim
     assert q.dtype == k.dtype and q.stride(-1) == 1 and k.stride(-1) == 1, "head_dim must be contiguous"
-    assert q_weight.shape == k_weight.shape == (head_dim,) and q_weight.is_contiguous() and k_weight.is_contiguous()
     assert rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim and cos_sin_cache.shape[-1] == rotary_dim
     assert cos_sin_cache.stride(-1) == 1
-    num_heads = num_q_heads + k.shape[1]
+    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # weights unused without a norm
+    if qk_norm is not None:
+        assert q_weight.shape == k_weight.shape == (head_dim,) and q_weight.is_contiguous() and k_weight.is_contiguous()
+    store = kv_cache is not None
+    if store:
+        k_cache, v_cache = kv_cache
+        assert v is not None and v.shape == k.shape and v.stride(-1) == 1 and slot_mapping.shape == (num_tokens,)
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+        assert k_cache.shape[2:] == (num_kv_heads, head_dim)
+    else:
+        k_cache = v_cache = slot_mapping = v = k  # unused
+    num_heads = num_q_heads + num_kv_heads * (2 if store else 1)
     if num_tokens > 0 and num_heads > 0:
         half = rotary_dim // 2
         _qk_norm_rope_kernel[(num_tokens, num_heads)](
-            positions, q, k, q_weight, k_weight, cos_sin_cache,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-            num_q_heads, eps,
+            positions, q, k, v, q_weight, k_weight, cos_sin_cache, slot_mapping, k_cache, v_cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2) if store else 0,
+            num_q_heads, num_kv_heads, eps, k_cache.shape[1], 1.0 / k_scale, 1.0 / v_scale,
+            NORM=qk_norm is not None, STORE_KV=store, FP8=store and k_cache.dtype == torch.float8_e4m3fn,
             HEAD_DIM=head_dim, ROT_DIM=rotary_dim, IS_NEOX=is_neox,
             HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim),
             # one head per program, one warp (as the rms_norm kernel up to 256 dims): lanes that hold
             # the same element (tiny rotary dims) run the pair loads before the stores in step
-            num_warps=1,
+            num_warps=1, **pdl_args(),
         )
     return q, k
 

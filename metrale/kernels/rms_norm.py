@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.kernels import reference, tl, triton, use_triton
+from metrale.kernels import pdl_args, pdl_wait, reference, tl, triton, use_triton
 
 
 @triton.jit
@@ -21,12 +21,15 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
-    # One program per row; the whole row fits in one BLOCK (BLOCK >= hidden).
+    # One program per row; the whole row fits in one BLOCK (BLOCK >= hidden). The weight, which
+    # no kernel writes, is loaded before waiting for the previous kernel (PDL).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -35,7 +38,6 @@ def _rms_norm_kernel(
     h = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
     normed = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF casts back before * weight
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -59,7 +61,7 @@ def _launch(x, residual, weight, eps):
             x2, r2, weight, out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps, **pdl_args(),
         )
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))

@@ -42,7 +42,10 @@ SAMPLING_EPS = reference.SAMPLING_EPS
 INT32_MIN = -(2**31)
 # Fixed-point unit of a token's mass e^(l - max) <= 1: a vocabulary's sum fits int64 with room.
 MASS_ONE = tl.constexpr(1099511627776.0)  # 2^40
-DIGIT_SHIFTS = (24, 16, 8, 0)  # radix select: 8-bit digits of the 32-bit key, most significant first
+DIGIT_SHIFTS = (24, 16, 8, 0)
+# The batch size changes every step: Triton must not compile a variant per value of it (it
+# specialises integer arguments equal to 1 or divisible by 16 unless told not to).
+NO_SPECIALIZE = ["n_rows"]  # radix select: 8-bit digits of the 32-bit key, most significant first
 
 
 @triton.jit
@@ -95,14 +98,14 @@ def _row_max(chunk_max_ptr, rows, valid, num_chunks, CHUNKS: tl.constexpr):
     return tl.where(valid, tl.max(parts, 1), 0.0)  # padding rows: avoid (-inf) - (-inf)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _chunk_max_kernel(logits_ptr, chunk_max_ptr, temp_ptr, n_rows, vocab, stride_row, num_chunks, eps,
                       ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
     rows, valid, greedy, v, real, l = _chunk_tile(logits_ptr, temp_ptr, n_rows, vocab, stride_row, eps, ROWS, BLOCK_V)
     tl.store(chunk_max_ptr + rows * num_chunks + tl.program_id(1), tl.max(l, 1), mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _radix_count_kernel(logits_ptr, hist_ptr, prefix_ptr, need_ptr, floor_ptr, chunk_max_ptr, temp_ptr,
                         n_rows, vocab, stride_row, num_chunks, eps,
                         SHIFT: tl.constexpr, MASS: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -127,7 +130,7 @@ def _radix_count_kernel(logits_ptr, hist_ptr, prefix_ptr, need_ptr, floor_ptr, c
     tl.atomic_add(hist_ptr + rows[:, None].to(tl.int64) * 256 + digit, weight, mask=match)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _radix_pick_kernel(hist_ptr, prefix_ptr, need_ptr, n_rows, ROWS: tl.constexpr):
     # The bin where the total from the top first reaches `need`: it extends the prefix by one
     # digit, and `need` drops by what the bins above it hold. Rows with need 0 stay as they are.
@@ -145,7 +148,7 @@ def _radix_pick_kernel(hist_ptr, prefix_ptr, need_ptr, n_rows, ROWS: tl.constexp
     tl.store(need_ptr + rows, need - above, mask=searching)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _mass_kernel(logits_ptr, z_ptr, floor_ptr, on_ptr, chunk_max_ptr, temp_ptr, n_rows, vocab, stride_row,
                  num_chunks, eps, ROWS: tl.constexpr, BLOCK_V: tl.constexpr, CHUNKS: tl.constexpr):
     # Z: the fixed-point mass of the row's tokens with key >= floor (the top-k survivors).
@@ -158,7 +161,7 @@ def _mass_kernel(logits_ptr, z_ptr, floor_ptr, on_ptr, chunk_max_ptr, temp_ptr, 
     tl.atomic_add(z_ptr + rows, tl.sum(tl.where(kept, weight, 0), 1), mask=on)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _chunk_draw_kernel(logits_ptr, chunk_max_ptr, thr_ptr, chunk_best_ptr, chunk_idx_ptr, temp_ptr, min_p_ptr,
                        seed_ptr, offset_ptr, n_rows, vocab, stride_row, num_chunks, eps,
                        ROWS: tl.constexpr, BLOCK_V: tl.constexpr, CHUNKS: tl.constexpr,
@@ -185,7 +188,7 @@ def _chunk_draw_kernel(logits_ptr, chunk_max_ptr, thr_ptr, chunk_best_ptr, chunk
              mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _pick_chunk_kernel(chunk_best_ptr, chunk_idx_ptr, out_ptr, n_rows, num_chunks, ROWS: tl.constexpr,
                        CHUNKS: tl.constexpr):
     # The best chunk of each row, the earliest on ties (so the first index overall).
@@ -198,7 +201,7 @@ def _pick_chunk_kernel(chunk_best_ptr, chunk_idx_ptr, out_ptr, n_rows, num_chunk
     tl.store(out_ptr + rows, tl.load(chunk_idx_ptr + rows * num_chunks + winner, mask=valid), mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _row_sample_kernel(logits_ptr, out_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr,
                        n_rows, vocab, stride_row, eps, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
     # One program per row block, for batches that fill the GPU by rows alone; every pass streams

@@ -45,6 +45,11 @@ class LlamaAttention(nn.Module):
         """Per-head changes before RoPE; none for Llama."""
         return q, k
 
+    def per_head_qk_norms(self):
+        """(q_norm, k_norm) when transform_qk is an RMSNorm of each head that the fused prologue
+        kernel can apply itself; None when transform_qk is something else (or nothing)."""
+        return None
+
     def rotate_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """transform_qk, then RoPE; a subclass may fuse the two (Qwen3)."""
         return self.rotary_emb(positions, *self.transform_qk(q, k))
@@ -54,6 +59,11 @@ class LlamaAttention(nn.Module):
                                                self.qkv_proj.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.attn.can_fuse_prologue(q):  # norms, RoPE and the K/V write in one launch
+            norms = self.per_head_qk_norms()
+            if norms is None:
+                q, k = self.transform_qk(q, k)
+            return self.o_proj(self.attn.rope_and_attend(positions, q, k, v, self.rotary_emb, norms))
         q, k = self.rotate_qk(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 

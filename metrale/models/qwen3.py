@@ -19,6 +19,9 @@ class Qwen3Attention(LlamaAttention):
     def transform_qk(self, q, k):
         return self.q_norm(q), self.k_norm(k)
 
+    def per_head_qk_norms(self):
+        return self.q_norm, self.k_norm
+
     def rotate_qk(self, positions, q, k):
         """On the Triton path, q/k norms and RoPE in one launch (in place, same numerics as the
         norm kernel followed by the rotary kernel); elsewhere the unfused modules."""

@@ -58,3 +58,14 @@ def test_met_generate_prints_completion(checkpoint_factory):
     expected = LLM(path, dtype="float32", device="cpu", num_kv_blocks=64).generate(
         "Hello, world!", SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
     assert run.stdout.rstrip("\n") == expected
+
+
+def test_programmatic_launch_refused_where_it_does_not_exist(checkpoint_factory):
+    """--programmatic-launch asks for a Hopper feature: on the CPU it is a clear error, and the
+    default (None) leaves it off there."""
+    from metrale import kernels
+
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        LLM(checkpoint_factory("llama"), dtype="float32", device="cpu", num_kv_blocks=16, programmatic_launch=True)
+    LLM(checkpoint_factory("llama"), dtype="float32", device="cpu", num_kv_blocks=16)
+    assert kernels.pdl_args() == {"PDL": False}

@@ -20,3 +20,16 @@ def test_upload_packs_arrays_into_views_of_one_copy():
     assert views["ids"].untyped_storage().data_ptr() == views["table"].untyped_storage().data_ptr()
     wide = runner._upload({"a": np.array([2**40], dtype=np.int64)}, torch.int64)
     assert wide["a"].item() == 2**40
+
+
+def test_upload_views_are_16_byte_aligned():
+    """Triton compiles one kernel variant per pointer alignment: every view must start on a
+    16-byte boundary whatever the lengths of the arrays before it."""
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device, runner._pin = torch.device("cpu"), False
+    for dtype in (torch.int64, torch.int32):
+        arrays = {f"a{i}": np.arange(n, dtype=np.int64) for i, n in enumerate((3, 1, 5, 0, 7))}
+        views = runner._upload(arrays, dtype)
+        for name, array in arrays.items():
+            assert views[name].data_ptr() % 16 == 0, (dtype, name)
+            assert views[name].tolist() == array.tolist()

@@ -38,11 +38,13 @@ def test_triton_graphs_eager_torch_and_transformers_agree(family, checkpoint_fac
     _, eager = run(path, attention_backend="triton", enforce_eager=True)
     _, torch_backend = run(path, attention_backend="torch", enforce_eager=True)
     _, chunked = run(path, attention_backend="triton", max_num_batched_tokens=16)
+    _, no_pdl = run(path, attention_backend="triton", programmatic_launch=False)
     assert graphs == expected
     assert synchronous == expected
     assert eager == expected
     assert torch_backend == expected
     assert chunked == expected
+    assert no_pdl == expected  # programmatic dependent launch (on by default on Hopper) changes nothing
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -17,6 +17,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from metrale.kernels import gemv as G
+from metrale.kernels import paged_attention as A
+from metrale.kernels import qk_norm_rope as Q
 from metrale.kernels import sampling as S
 
 F32, I64, I32, INT = "*fp32", "*i64", "*i32", "i32"
@@ -49,8 +51,41 @@ KERNELS = {
     "gemv._gemv_kernel[M=1]": (G._gemv_kernel, {
         "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": INT, "K": INT,
         "stride_xm": INT, "stride_wn": INT, "stride_ym": INT},
-        {"M": 1, "HAS_BIAS": False, "EVEN_K": True, "BLOCK_N": 4, "BLOCK_K": 1024, "VEC": 8, "NUM_STAGES": 1}, 4),
+        {"M": 1, "HAS_BIAS": False, "EVEN_K": True, "BLOCK_N": 4, "BLOCK_K": 1024, "VEC": 8, "NUM_STAGES": 1, "PREFETCH": True,
+         "PDL": True}, 4),
+    # Qwen3-8B's attention: 32 q heads over 8 kv heads of 128, bf16 cache
+    **{f"paged_attention._decode_kernel[DIRECT={direct}]": (A._decode_kernel, {
+        "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "bt_ptr": I32, "seq_lens_ptr": I32,
+        "part_o_ptr": F32, "part_lse_ptr": F32, "out_ptr": "*bf16", "arrivals_ptr": I32,
+        **{name: INT for name in ("stride_qs", "stride_qh", "stride_cb", "stride_co", "stride_ch", "stride_bt",
+                                  "stride_ps", "stride_ph", "stride_os", "stride_oh")},
+        "scale_log2e": "fp32", "v_scale": "fp32", "block_size": INT, "num_splits": INT},
+        {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": 64, "PRECISION": None,
+         "UPCAST": False, "DIRECT": direct, "BLOCK_S": 16, "PDL": True}, 4) for direct in (False, True)},
+    "qk_norm_rope._qk_norm_rope_kernel[STORE_KV]": (Q._qk_norm_rope_kernel, {
+        "pos_ptr": I64, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
+        "cos_sin_ptr": F32, "slot_ptr": I64, "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+        **{name: INT for name in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
+                                  "stride_cos_sin", "stride_cb", "stride_co", "stride_ch", "num_q_heads",
+                                  "num_kv_heads")},
+        "eps": "fp32", "block_size": INT, "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
+        {"NORM": True, "STORE_KV": True, "FP8": False, "HEAD_DIM": 128, "ROT_DIM": 128, "IS_NEOX": True,
+         "HALF": 64, "BLOCK_HALF": 64, "BLOCK_D": 128, "PDL": True}, 1),
 }
+
+
+# Integer arguments that are multiples of 16 in every real launch (the cache and head strides,
+# the block size); pointers are always 16-byte aligned (torch allocations, the runner's views).
+# Triton specialises launches on both, so the check compiles with the same facts.
+ALIGNED_INTS = {"stride_qs", "stride_qh", "stride_os", "stride_oh", "stride_cb", "stride_co", "stride_ch",
+                "block_size", "stride_qt", "stride_kt", "stride_vt", "stride_kh", "stride_vh",
+                "N", "K", "stride_xm", "stride_wn", "stride_ym"}  # the GEMV at model shapes
+
+
+def _launch_attrs(kernel, types: dict) -> dict:
+    names = list(kernel.arg_names)
+    return {(names.index(arg),): [["tt.divisibility", 16]] for arg, kind in types.items()
+            if kind.startswith("*") or arg in ALIGNED_INTS}
 
 
 def resource_usage(cubin: bytes, name: str) -> str:
@@ -73,8 +108,8 @@ def main() -> int:
     for name, (kernel, types, constexprs, num_warps) in KERNELS.items():
         signature = dict(types, **{k: "constexpr" for k in constexprs})
         try:
-            compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=target,
-                                      options={"num_warps": num_warps})
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs, _launch_attrs(kernel, types)),
+                                      target=target, options={"num_warps": num_warps})
         except Exception as e:  # noqa: BLE001 - report every kernel, then fail
             failed.append(name)
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:2000]}")

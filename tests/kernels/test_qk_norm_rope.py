@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from metrale.kernels import interpret_mode, reference
-from metrale.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_triton
+from metrale.kernels.kv_cache_write import write_kv_cache_triton
+from metrale.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_triton, rope_store_kv_triton
 from metrale.kernels.rms_norm import rms_norm_triton
 from metrale.kernels.rotary import apply_rotary_triton
 
@@ -84,6 +85,56 @@ def test_qk_norm_rope_partial(device, is_neox, head_dim, rotary_dim):
            rotary_dim=rotary_dim, is_neox=is_neox)
     _check(device, torch.float32, num_tokens=2, num_heads=2, num_kv_heads=2, head_dim=head_dim,
            rotary_dim=rotary_dim, is_neox=is_neox)
+
+
+def _check_store(device, dtype, cache_dtype, norm, is_neox, head_dim=64, rotary_dim=64, num_tokens=6,
+                 num_heads=4, num_kv_heads=2, scales=(1.0, 1.0)):
+    """The one-launch prologue (norm?, rotary, K/V store) against the launches it replaces:
+    qk_norm_rope (or rotary) in place, then the KV write kernel. Same numerics: identical."""
+    positions, qkv, q, k, q_w, k_w = _inputs(device, dtype, num_tokens, num_heads, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].reshape(-1, num_kv_heads, head_dim)
+    cache = cos_sin_cache(MAX_POS, rotary_dim).to(device)
+    block_size = 4
+    num_blocks = num_tokens // block_size + 2  # some slots stay empty
+    slots = torch.randperm(block_size * num_blocks, generator=torch.Generator().manual_seed(3))[:num_tokens]
+    slots[1] = -1  # a padding token stores nothing
+    slots = slots.to(device)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    poison = torch.full(shape, 7.0, device=device).to(cache_dtype)
+    k_cache, v_cache, k_two, v_two = (poison.clone() for _ in range(4))
+    qk_norm = (q_w, k_w, EPS) if norm else None
+
+    q2, k2 = q.clone(), k.clone()
+    if norm:
+        qk_norm_rope_triton(positions, q2, k2, q_w, k_w, EPS, cache, rotary_dim, is_neox)
+    else:
+        apply_rotary_triton(positions, q2, k2, cache, rotary_dim, is_neox)
+    write_kv_cache_triton(k2, v, k_two, v_two, slots, *scales)
+
+    rope_store_kv_triton(positions, q, k, v, cache, rotary_dim, is_neox, qk_norm=qk_norm,
+                         kv_cache=(k_cache, v_cache), slot_mapping=slots, k_scale=scales[0], v_scale=scales[1])
+    assert torch.equal(q, q2) and torch.equal(k, k2)
+    # fp8 has no torch.equal on some builds: compare the bytes
+    assert torch.equal(k_cache.view(torch.uint8), k_two.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_two.view(torch.uint8))
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[slots >= 0].cpu()] = False
+    assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim)[untouched.to(device)].view(torch.uint8),
+                       poison.view(-1, num_kv_heads, head_dim)[untouched.to(device)].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rope_store_kv(device, dtype, norm, is_neox):
+    _check_store(device, dtype, dtype, norm, is_neox)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_rope_store_kv_partial_rotary_and_fp8(device, norm):
+    _check_store(device, torch.float16, torch.float16, norm, True, head_dim=64, rotary_dim=48, num_heads=3,
+                 num_kv_heads=1)
+    _check_store(device, torch.bfloat16, torch.float8_e4m3fn, norm, True, scales=(0.05, 0.02))
 
 
 def test_qk_norm_rope_no_tokens(device):
@@ -177,3 +228,11 @@ def test_qk_norm_rope_gpu_qwen3_8b(dtype, num_tokens):
     """Qwen3-8B's attention shapes: 32 q heads, 8 kv heads, head_dim 128, neox, full rotary."""
     _check("cuda", dtype, num_tokens=num_tokens, num_heads=32, num_kv_heads=8, head_dim=128, rotary_dim=128,
            is_neox=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_rope_store_kv_gpu_8b_shapes(norm, cache_dtype):
+    _check_store("cuda", torch.bfloat16, cache_dtype, norm, True, head_dim=128, rotary_dim=128, num_tokens=300,
+                 num_heads=32, num_kv_heads=8, scales=(0.05, 0.02) if cache_dtype != torch.bfloat16 else (1.0, 1.0))

@@ -19,6 +19,9 @@ from metrale.executor.forward_context import AttentionMetadata
 class AttentionBackend(ABC):
     name: str = "abstract"
     supports_cuda_graphs: bool = False
+    # The model may store K and V itself, in its RoPE kernel (Attention.rope_and_attend), with
+    # the Triton KV write's layout and numerics, instead of calling write_kv.
+    fused_prologue: bool = False
 
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

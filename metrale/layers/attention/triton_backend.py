@@ -3,6 +3,7 @@
 Pure decode steps (one query token per sequence) take split-KV flash decoding, whose split
 count depends only on the block table's width, so it replays inside CUDA graphs; every other
 step takes the extend kernel (prefill chunks and decodes mixed, causal over the paged prefix).
+Models with RoPE write K and V from their RoPE kernel (`fused_prologue`), not through write_kv.
 Tested against the PyTorch backend (tests/kernels, tests/gpu).
 """
 
@@ -24,6 +25,7 @@ if not HAS_TRITON:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    fused_prologue = True
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
         write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -54,7 +54,7 @@ def align_assignments(topk_ids: torch.Tensor, block_m: int, num_local_experts: i
     return sorted_ids[:max_padded], block_expert
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assign"])  # varies every step: no recompiles
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ids_ptr, block_expert_ptr,
                          N, K, num_assign, a_row_divisor,
                          stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,

@@ -1,0 +1,76 @@
+"""Compile the Triton kernels a server meets in its first minutes, before it takes requests.
+
+Triton compiles a kernel the first time it is launched with a new set of compile-time
+constants (about a second each on an H200 with a cold cache). Without this warm-up the first
+steps that reach a new variant stall: in one measured run of the nano-vllm workload, 11 of its
+17 seconds went to such compiles in the middle of the run (steps with prefill chunks, and the
+step where the batch fell below the SM count and the sampler changed paths).
+
+What varies from step to step without changing a kernel's constants is kept out of Triton's
+specialisation (`do_not_specialize` on batch sizes and block-table widths; 16-byte aligned
+input views in the runner), so the variants are few and known:
+  * the extend kernel's row tile (16, 32 or 64 query rows per program, from the longest chunk
+    times the GQA group): prefills of 1..33 tokens reach all three;
+  * eager split-KV decode over a table of several splits;
+  * the sampler's two paths for temperature sampling (a program per row and chunk below the
+    SM count, a program per row at or above it).
+Decode CUDA graphs compile their kernels when they are captured. Filters (top-k, top-p,
+min-p) compile on the first request that uses them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from metrale.engine.sampling_params import SamplingParams
+from metrale.engine.scheduler_output import CachedRequestData, SchedulerOutput
+from metrale.executor.sampler import SamplingRow, sample_tokens
+
+logger = logging.getLogger(__name__)
+
+# Prompt lengths whose query rows (length x GQA group) fall in every row-tile bin of the extend
+# kernel for any group size from 1 to 32: <= 16, 17..32 and > 32 rows.
+PREFILL_LENGTHS = (1, 2, 3, 5, 9, 17, 33)
+DECODE_CONTEXT = 300  # keys: more than one split of the eager decode kernel
+
+
+@torch.inference_mode()
+def warm_up_kernels(runner, max_num_seqs: int) -> float:
+    """Run the kernel variants above once on the runner's device; returns the seconds taken.
+    Uses the KV pool from block 0 (nothing else holds it at startup) and leaves no request."""
+    start = time.perf_counter()
+    vocab = runner.model_config.vocab_size
+    pool_tokens = runner.kv_caches[0].shape[1] * runner.block_size if runner.kv_caches else 0
+    for length in PREFILL_LENGTHS:
+        if length <= pool_tokens:
+            runner._forward_whole(runner._prefill_plan([[1] * length], "__warmup"))
+            runner.requests.clear()
+    if DECODE_CONTEXT + 1 <= pool_tokens:
+        _decode_once(runner, vocab)
+    sms = torch.cuda.get_device_properties(runner.device).multi_processor_count
+    for rows in sorted({1, min(max_num_seqs, sms)}):
+        logits = torch.randn(rows, vocab, device=runner.device)
+        params = SamplingParams(temperature=0.6)
+        sample_tokens(logits, [SamplingRow(params, i, [1], 1) for i in range(rows)]).tokens.tolist()
+    torch.cuda.synchronize(runner.device)
+    seconds = time.perf_counter() - start
+    logger.info("kernels warmed up in %.2fs", seconds)
+    return seconds
+
+
+def _decode_once(runner, vocab: int) -> None:
+    """One eager pure-decode step after a DECODE_CONTEXT-token prefill."""
+    tokens = [i % vocab for i in range(DECODE_CONTEXT)]
+    plan = runner._prefill_plan([tokens], "__warmup")
+    runner._forward_whole(plan)
+    new = plan.new_requests[0]
+    new.token_ids.append(1)
+    blocks = -(-(DECODE_CONTEXT + 1) // runner.block_size)
+    extra = list(range(len(new.block_ids), blocks))
+    decode = SchedulerOutput(cached_requests=[CachedRequestData(new.request_id, extra, DECODE_CONTEXT)],
+                             num_scheduled_tokens={new.request_id: 1})
+    runner._forward_whole(decode)
+    runner.requests.clear()
