@@ -159,23 +159,25 @@ class SampledTokens:
 
 
 def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
-    """logits: [len(rows), vocab] for the last position of each sampled request. No host sync."""
-    logits = logits.float()
+    """logits: [len(rows), vocab] for the last position of each sampled request, in the model's
+    dtype. No host sync. Everything is computed on logits widened to fp32; the Triton sampler
+    and the greedy argmax widen as they read (exact), so a batch with no penalties and no
+    logit bias costs no fp32 copy of its logits."""
     want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
+    raw_logprobs = logits[want_logprobs].float().log_softmax(dim=-1) if want_logprobs else None
     if any(r.params.changes_logits for r in rows):
-        logits = logits.clone()
+        logits = logits.to(torch.float32, copy=True)
         _apply_penalties(logits, rows)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows and use_triton(logits):
         tokens = _sample_on_gpu(logits, rows)
         random_rows = []
     else:
-        tokens = logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)  # the first maximum, as of the fp32 values
     if random_rows:
         subset = [rows[i] for i in random_rows]
         index = torch.tensor(random_rows, device=logits.device)
-        tokens[index] = _draw(_filter(logits[index], subset), subset)
+        tokens[index] = _draw(_filter(logits[index].float(), subset), subset)
     return SampledTokens(tokens, rows, want_logprobs, raw_logprobs)
 
 

@@ -58,7 +58,7 @@ def _mass(l, m):
 def _scaled(logits_ptr, row_off, v, mask, temp):
     # l = logits / temperature (temperature 1 for greedy rows); -inf where masked
     # (outside the vocab or a padding row). IEEE division, as in the reference.
-    x = tl.load(logits_ptr + row_off[:, None] + v, mask=mask, other=float("-inf"))
+    x = tl.load(logits_ptr + row_off[:, None] + v, mask=mask, other=float("-inf")).to(tl.float32)
     return tl.div_rn(x, temp[:, None])
 
 
@@ -203,7 +203,8 @@ def _pick_chunk_kernel(chunk_best_ptr, chunk_idx_ptr, out_ptr, n_rows, num_chunk
 
 @triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _row_sample_kernel(logits_ptr, out_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr,
-                       n_rows, vocab, stride_row, eps, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+                       n_rows, vocab, stride_row, eps, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+                       USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, USE_MIN_P: tl.constexpr):
     # One program per row block, for batches that fill the GPU by rows alone; every pass streams
     # the row in BLOCK_V chunks. The thresholds are found by bisection on the key over the same
     # integer counts and fixed-point masses as the radix select, so they are the same keys.
@@ -219,15 +220,18 @@ def _row_sample_kernel(logits_ptr, out_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_
     cols = tl.arange(0, BLOCK_V)[None, :]
     rv = valid[:, None]
 
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    for v0 in range(0, vocab, BLOCK_V):
-        v = v0 + cols
-        m = tl.maximum(m, tl.max(_scaled(logits_ptr, row_off, v, rv & (v < vocab), temp), 1))
-    m = tl.where(valid, m, 0.0)  # padding rows: avoid (-inf) - (-inf)
+    # The USE_* flags say which filters any row of the batch may use (False skips their passes).
+    m = tl.zeros([ROWS], tl.float32)
+    if USE_TOP_P or USE_MIN_P:  # the row max: for masses and min-p only
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        for v0 in range(0, vocab, BLOCK_V):
+            v = v0 + cols
+            m = tl.maximum(m, tl.max(_scaled(logits_ptr, row_off, v, rv & (v < vocab), temp), 1))
+        m = tl.where(valid, m, 0.0)  # padding rows: avoid (-inf) - (-inf)
 
     # Top-k: the largest key t with count(key >= t) >= k. Invariant: the answer is in [lo, hi].
     lo = tl.full([ROWS], -2147483648, tl.int64)
-    if tl.max(k_on.to(tl.int32), 0) > 0:
+    if USE_TOP_K and tl.max(k_on.to(tl.int32), 0) > 0:
         hi = tl.full([ROWS], 2147483647, tl.int64)
         for _ in range(32):  # the key range is 2^32 wide: 32 halvings leave lo == hi
             mid = (lo + hi + 1) >> 1
@@ -243,7 +247,7 @@ def _row_sample_kernel(logits_ptr, out_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_
     t = lo
 
     # Top-p over the top-k survivors: the largest key with mass(key >= t) >= ceil(top_p * Z).
-    if tl.max(p_on.to(tl.int32), 0) > 0:
+    if USE_TOP_P and tl.max(p_on.to(tl.int32), 0) > 0:
         z = tl.zeros([ROWS], tl.int64)
         for v0 in range(0, vocab, BLOCK_V):
             v = v0 + cols
@@ -271,7 +275,11 @@ def _row_sample_kernel(logits_ptr, out_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_
     for v0 in range(0, vocab, BLOCK_V):
         v = v0 + cols
         l = _scaled(logits_ptr, row_off, v, rv & (v < vocab), temp)
-        keep = rv & (v < vocab) & (_key(l) >= t[:, None]) & (tl.exp(l - m[:, None]) >= min_p[:, None])
+        keep = rv & (v < vocab)
+        if USE_TOP_K or USE_TOP_P:
+            keep = keep & (_key(l) >= t[:, None])
+        if USE_MIN_P:
+            keep = keep & (tl.exp(l - m[:, None]) >= min_p[:, None])
         u = tl.rand(seed[:, None], counter0[:, None] + v)
         gumbel = -tl.log(-tl.log(tl.maximum(u, 1e-20)))
         score = tl.where(keep, tl.where(greedy[:, None], l, l + gumbel), float("-inf"))
@@ -342,7 +350,7 @@ def sample_tokens_triton(logits, temperature, top_k, top_p, min_p, seeds, offset
     (no row filters by top-k, top-p or min-p) skips that filter's passes. They are upper bounds:
     True is always correct."""
     n, vocab = logits.shape
-    assert logits.dtype == torch.float32 and logits.stride(-1) == 1
+    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(-1) == 1
     dev = logits.device
     out = torch.empty(n, dtype=torch.int64, device=dev)
     if n == 0:
@@ -356,7 +364,8 @@ def sample_tokens_triton(logits, temperature, top_k, top_p, min_p, seeds, offset
     top_p = top_p.to(device=dev, dtype=torch.float32).contiguous()
     if not interpret_mode() and n >= _num_sms(dev):
         # Enough rows to fill the GPU one row per program: no partials, no atomics.
-        return _sample_per_row(launch, logits, temperature, top_k, top_p, min_p, seeds, offsets, out)
+        return _sample_per_row(launch, logits, temperature, top_k, top_p, min_p, seeds, offsets, out,
+                               any_top_k=any_top_k, any_top_p=any_top_p, any_min_p=any_min_p)
     chunk_max = torch.empty(n, launch.num_chunks, dtype=torch.float32, device=dev)
     if any_top_p or any_min_p:
         _chunk_max_kernel[launch.grid](logits, chunk_max, temperature, n, vocab, logits.stride(0), launch.num_chunks,
@@ -376,11 +385,13 @@ def sample_tokens_triton(logits, temperature, top_k, top_p, min_p, seeds, offset
     return out
 
 
-def _sample_per_row(launch: _Launch, logits, temperature, top_k, top_p, min_p, seeds, offsets, out) -> torch.Tensor:
+def _sample_per_row(launch: _Launch, logits, temperature, top_k, top_p, min_p, seeds, offsets, out, *,
+                    any_top_k: bool = True, any_top_p: bool = True, any_min_p: bool = True) -> torch.Tensor:
     """One program per row (`_row_sample_kernel`); inputs already on the device."""
     _row_sample_kernel[launch.row_grid](logits, out, temperature, top_k, top_p, min_p, seeds, offsets, launch.n,
                                         launch.vocab, logits.stride(0), SAMPLING_EPS, ROWS=launch.rows,
-                                        BLOCK_V=min(triton.next_power_of_2(launch.vocab), 4096), num_warps=8)
+                                        BLOCK_V=min(triton.next_power_of_2(launch.vocab), 4096),
+                                        USE_TOP_K=any_top_k, USE_TOP_P=any_top_p, USE_MIN_P=any_min_p, num_warps=8)
     return out
 
 
@@ -389,7 +400,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def sample_tokens(logits, temperature, top_k, top_p, min_p, seeds, offsets) -> torch.Tensor:
-    """logits fp32 [n, vocab]; per-row temperature, top_k (0 or >= vocab: off), top_p (1: off),
+    """logits fp32 [n, vocab] (the Triton path also reads bf16/fp16, widened exactly); per-row temperature, top_k (0 or >= vocab: off), top_p (1: off),
     min_p (0: off), seeds int64, offsets int64 (e.g. the request's output position).
     Returns int64 [n] token ids on logits' device. Draws depend only on (seed, offset)."""
     if use_triton(logits):

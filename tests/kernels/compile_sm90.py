@@ -44,10 +44,12 @@ KERNELS = {
     "sampling._pick_chunk_kernel": (S._pick_chunk_kernel, {"chunk_best_ptr": F32, "chunk_idx_ptr": I64,
                                                            "out_ptr": I64, "n_rows": INT, "num_chunks": INT},
                                     {"ROWS": 1, "CHUNKS": 64}, 1),
-    "sampling._row_sample_kernel": (S._row_sample_kernel, {
-        "logits_ptr": F32, "out_ptr": I64, "temp_ptr": F32, "top_k_ptr": I64, "top_p_ptr": F32, "min_p_ptr": F32,
-        "seed_ptr": I64, "offset_ptr": I64, "n_rows": INT, "vocab": INT, "stride_row": INT, "eps": "fp32"},
-        {"ROWS": 1, "BLOCK_V": 4096}, 8),
+    **{f"sampling._row_sample_kernel[filters={filters}]": (S._row_sample_kernel, {
+        "logits_ptr": "*bf16", "out_ptr": I64, "temp_ptr": F32, "top_k_ptr": I64, "top_p_ptr": F32,
+        "min_p_ptr": F32, "seed_ptr": I64, "offset_ptr": I64, "n_rows": INT, "vocab": INT, "stride_row": INT,
+        "eps": "fp32"},
+        {"ROWS": 1, "BLOCK_V": 4096, "USE_TOP_K": filters, "USE_TOP_P": filters, "USE_MIN_P": filters}, 8)
+       for filters in (True, False)},
     "gemv._gemv_kernel[M=1]": (G._gemv_kernel, {
         "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": INT, "K": INT,
         "stride_xm": INT, "stride_wn": INT, "stride_ym": INT},

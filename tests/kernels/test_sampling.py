@@ -311,3 +311,43 @@ def test_per_row_and_radix_paths_draw_the_same_tokens_with_filters(device, vocab
                                   params["min_p"], seeds, offsets, torch.empty(len(rows), dtype=torch.int64,
                                                                                 device=device))
         assert torch.equal(per_row, _draw(x, params, seeds, offsets))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_draw_what_their_fp32_widening_draws(device, dtype):
+    """The engine hands the sampler the LM head's logits in the model dtype: both paths widen
+    them as they read, so the tokens are those of the fp32 copy, filters and greedy included."""
+    from metrale.kernels.sampling import _Launch, _sample_per_row
+
+    g = torch.Generator().manual_seed(11)
+    rows = [CONFIGS[i % len(CONFIGS)] for i in range(12)] + [(0.0, 0, 1.0, 0.0)] * 2
+    logits = (torch.randn(len(rows), 700, generator=g) * 3).to(dtype)
+    x = logits.to(device)
+    params = _params(rows, device)
+    seeds = torch.randint(0, 2**62, (len(rows),), generator=g).to(device)
+    offsets = torch.arange(len(rows)).to(device)
+    wide = x.float()
+    assert torch.equal(_draw(x, params, seeds, offsets), _draw(wide, params, seeds, offsets))
+    out = torch.empty(len(rows), dtype=torch.int64, device=device)
+    per_row = _sample_per_row(_Launch(x), x, params["temperature"], params["top_k"], params["top_p"],
+                              params["min_p"], seeds, offsets, out.clone())
+    assert torch.equal(per_row, _sample_per_row(_Launch(wide), wide, params["temperature"], params["top_k"],
+                                                params["top_p"], params["min_p"], seeds, offsets, out.clone()))
+
+
+def test_per_row_kernel_skips_the_passes_of_unused_filters(device):
+    """Flags off (no row uses top-k, top-p or min-p) skip the max and threshold passes and the
+    min-p test: the same tokens as with every pass on."""
+    from metrale.kernels.sampling import _Launch, _sample_per_row
+
+    g = torch.Generator().manual_seed(12)
+    rows = [(t, 0, 1.0, 0.0) for t in (0.0, 0.6, 1.0, 1.7)] * 3
+    x = (torch.randn(len(rows), 900, generator=g) * 3).to(device)
+    params = _params(rows, device)
+    seeds = torch.randint(0, 2**62, (len(rows),), generator=g).to(device)
+    offsets = torch.full((len(rows),), 3, dtype=torch.int64).to(device)
+    out = torch.empty(len(rows), dtype=torch.int64, device=device)
+    args = (_Launch(x), x, params["temperature"], params["top_k"], params["top_p"], params["min_p"], seeds, offsets)
+    every_pass = _sample_per_row(*args, out.clone())
+    lean = _sample_per_row(*args, out.clone(), any_top_k=False, any_top_p=False, any_min_p=False)
+    assert torch.equal(every_pass, lean)
