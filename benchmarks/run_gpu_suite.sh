@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one job: GPU tests, then the benchmarks of docs/benchmarks.md with their
 # transformers comparisons, then a markdown table. Run from the repository root on a CUDA machine:
-#     OUT=/tmp/out bash benchmarks/run_gpu_suite.sh [quick|bench-only|tests-only|profile|pdl]
+#     OUT=/tmp/out bash benchmarks/run_gpu_suite.sh [quick|bench-only|tests-only|profile|focused]
 # profile: no tests; where the time goes (kernel profiles at batch 1 and 256, the throughput
 # workload step by step against each step's floor, the sampler, the launch-gap probe) and the
 # batch-1 latency benchmark.
-# pdl: the GPU tests, then the two headline benchmarks with programmatic dependent launch (the
-# default on Hopper) and without, and the batch-1 profile; logs packed into $OUT/results.tgz.
+# focused: the decode path's GPU tests, the headline benchmarks (batch 1 also without programmatic
+# dependent launch) and transformers in one call of a few minutes (see below).
 # Writes $OUT/gpu_tests.log, $OUT/*.json, $OUT/summary.md.
 set -uo pipefail
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
@@ -18,21 +18,31 @@ met() { python3 -m metrale.entrypoints.cli "$@"; }
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))'
 echo "${MET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" > "$OUT/commit.txt"
 
-if [ "$QUICK" = "pdl" ]; then
+if [ "$QUICK" = "focused" ]; then
+  # The GPU tests of the decode path (or $FOCUSED_TESTS), then the headline benchmarks (batch-1
+  # latency with and without programmatic dependent launch), transformers, summary.md; all logs
+  # packed into $OUT/results.tgz (the device tool returns at most 8 files).
   W=$(mktemp -d)
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs tests/gpu tests/kernels -m gpu -p no:cacheprovider \
-      --deselect tests/gpu/test_gpu_parallel.py --durations=15 > "$W/gpu_tests.log" 2>&1
-  tail -30 "$W/gpu_tests.log"
+  cp "$OUT/commit.txt" "$W/"
+  TESTS=${FOCUSED_TESTS:-"tests/gpu/test_gpu_generation.py tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_compiles.py
+    tests/kernels/test_qk_norm_rope.py tests/kernels/test_sampling.py tests/kernels/test_fp8_kv.py
+    tests/kernels/test_paged_attention.py::test_decode_gpu"}
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider $TESTS --durations=15 \
+      > "$W/gpu_tests.log" 2>&1
+  tail -25 "$W/gpu_tests.log"
   LAT="--model Qwen3-8B --load-format dummy --batch-size 1 --input-len 512 --output-len 128 --max-model-len 4096 --max-num-seqs 8"
   THR="--model Qwen3-0.6B --load-format dummy --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 4096 --max-num-seqs 256"
-  for pdl in programmatic-launch no-programmatic-launch; do
-    timeout 120 python3 -m metrale.entrypoints.cli bench latency $LAT --$pdl --output-json "$W/latency_$pdl.json" \
-        > "$W/latency_$pdl.log" 2>&1; tail -3 "$W/latency_$pdl.log"
-    timeout 120 python3 -m metrale.entrypoints.cli bench throughput $THR --$pdl --output-json "$W/throughput_$pdl.json" \
-        > "$W/throughput_$pdl.log" 2>&1; tail -4 "$W/throughput_$pdl.log"
-  done
-  timeout 120 python3 benchmarks/profile_step.py --model Qwen3-8B --num-prompts 1 --max-num-seqs 1 --table-rows 30 \
-      > "$W/profile_8b_bs1.log" 2>&1; grep -E "steady|GPU busy" "$W/profile_8b_bs1.log"
+  timeout 100 python3 -m metrale.entrypoints.cli bench latency $LAT --output-json "$W/latency_qwen3_8b_async.json" > "$W/latency.log" 2>&1
+  tail -3 "$W/latency.log"
+  timeout 100 python3 -m metrale.entrypoints.cli bench latency $LAT --no-programmatic-launch --output-json "$W/latency_qwen3_8b_no_pdl.json" \
+      > "$W/latency_no_pdl.log" 2>&1; tail -3 "$W/latency_no_pdl.log"
+  timeout 100 python3 -m metrale.entrypoints.cli bench throughput $THR --output-json "$W/throughput_qwen3_0_6b_async.json" > "$W/throughput.log" 2>&1
+  tail -4 "$W/throughput.log"
+  timeout 90 python3 benchmarks/hf_baseline.py latency --model Qwen3-8B --input-len 512 --output-len 128 \
+      --output-json "$W/hf_latency_qwen3_8b.json" > "$W/hf_latency.log" 2>&1; tail -3 "$W/hf_latency.log"
+  timeout 100 python3 benchmarks/hf_baseline.py throughput --model Qwen3-0.6B --num-prompts 64 --max-new-tokens 256 \
+      --output-json "$W/hf_throughput_qwen3_0_6b.json" > "$W/hf_throughput.log" 2>&1; tail -3 "$W/hf_throughput.log"
+  python3 benchmarks/summarize.py "$W" | tee "$W/summary.md"
   tar -czf "$OUT/results.tgz" -C "$W" .
   exit 0
 fi

@@ -198,80 +198,48 @@ def extend_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 
 @triton.jit
 def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
     # Keys per split for this sequence: a multiple of BLOCK_N, so short sequences use
-    # fewer (non-empty) splits. Every split of a sequence (and its merge) must agree on it.
+    # fewer (non-empty) splits. The decode kernel and its merge must agree on it.
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-
-
-@triton.jit
-def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, kvh, n_used, stride_ps, stride_ph, stride_os, stride_oh,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    # For each query head of kv head kvh: out = sum_s w_s * o_s / sum_s w_s over the n_used
-    # splits, w_s = 2^(lse_s - max lse), BLOCK_S splits per tile (one tile, one round trip, in
-    # the usual case; heads are independent). The partials were written by other programs of
-    # this launch: they are read from L2 (.cg), past this SM's L1.
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    for g in tl.static_range(GROUP):
-        head = kvh * GROUP + g
-        row0 = seq.to(tl.int64) * stride_ps + head * stride_ph
-        m = tl.full([1], float("-inf"), tl.float32)
-        w_sum = tl.zeros([1], tl.float32)
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        for s0 in range(0, n_used, BLOCK_S):
-            s = s0 + tl.arange(0, BLOCK_S)
-            s_valid = s < n_used
-            lse = tl.load(part_lse_ptr + row0 + s, mask=s_valid, other=float("-inf"), cache_modifier=".cg")
-            o = tl.load(part_o_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :],
-                        mask=s_valid[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, tl.max(lse, 0))  # finite: every tile holds a used split
-            rescale = tl.exp2(m - m_new)  # 0 on the first tile
-            w = tl.exp2(lse - m_new)  # 0 for unused splits
-            acc = acc * rescale + tl.sum(w[:, None] * o, 0)
-            w_sum = w_sum * rescale + tl.sum(w, 0)
-            m = m_new
-        tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + d,
-                 (acc / w_sum).to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_ps", "num_splits"])  # vary by step
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr, arrivals_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     stride_qs, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
     stride_ps, stride_ph, stride_os, stride_oh,
     scale_log2e, v_scale, block_size, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    DIRECT: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    DIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
-    pdl_launch_dependents(PDL)  # the o_proj GEMV after it prefetches its weights meanwhile
     # grid: (num_seqs, num_kv_heads, num_splits). Rows = the GROUP query heads of kv head kvh.
-    # DIRECT (one split): the program writes `out`. Otherwise each non-empty split writes, per
-    # head, its normalised partial output and log2-sum-exp (part_o [seqs, heads, splits, D],
-    # part_lse [seqs, heads, splits]) and counts itself in arrivals[seq, kvh]; the split that
-    # arrives last merges them all into `out` and sets the count back to 0, so `arrivals` is
-    # all zeros between launches (CUDA graphs replay over the same buffer). Empty splits do
-    # nothing; a sequence of length 0 (a padded graph row) gets zeros from split 0.
+    # DIRECT (one split): the program writes `out` (zeros for a sequence of length 0, a padded
+    # graph row). Otherwise each non-empty split writes, per head, its normalised partial
+    # output and log2-sum-exp (part_o [seqs, heads, splits, D], part_lse [seqs, heads, splits])
+    # for _decode_merge_kernel; empty splits write nothing.
+    pdl_wait(PDL)
+    pdl_launch_dependents(PDL)  # the merge, or at batch 1 the o_proj GEMV (which prefetches weights)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
     h = tl.arange(0, BLOCK_H)
     h_valid = h < GROUP
     head = kvh * GROUP + h
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     io_mask = h_valid[:, None] & d_mask[None, :]
-    o_off = seq.to(tl.int64) * stride_os + head[:, None] * stride_oh + d[None, :]
-    if start >= end:
-        if seq_len == 0 and split == 0:
-            tl.store(out_ptr + o_off, tl.zeros([BLOCK_H, BLOCK_D], out_ptr.dtype.element_ty), mask=io_mask)
-        return
+    # q does not depend on the split's bounds: its load is issued with seq_len's
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + head[:, None] * stride_qh + d[None, :],
                 mask=io_mask, other=0.0)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    o_off = seq.to(tl.int64) * stride_os + head[:, None] * stride_oh + d[None, :]
+    if start >= end:
+        if DIRECT:  # only when seq_len == 0
+            tl.store(out_ptr + o_off, tl.zeros([BLOCK_H, BLOCK_D], out_ptr.dtype.element_ty), mask=io_mask)
+        return
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -287,31 +255,48 @@ def _decode_kernel(
     if DIRECT:
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        p_row = seq.to(tl.int64) * stride_ps + head * stride_ph  # [BLOCK_H], split 0 (split stride 1)
-        tl.store(part_o_ptr + (p_row + split)[:, None] * HEAD_DIM + d[None, :], o, mask=io_mask)
-        tl.store(part_lse_ptr + p_row + split, m_i + tl.log2(l_i), mask=h_valid)
-        # Every thread's partials are written before the count is released (barrier), and the
-        # acq_rel count makes all of this sequence's partials visible to the last arrival.
-        tl.debug_barrier()
-        counter = arrivals_ptr + seq * tl.num_programs(1) + kvh
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        n_used = tl.cdiv(seq_len, split_len)
-        if arrived == n_used - 1:
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-            _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, kvh, n_used, stride_ps, stride_ph, stride_os,
-                          stride_oh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_S)
+        p_row = seq.to(tl.int64) * stride_ps + head * stride_ph + split  # [BLOCK_H] (split stride 1)
+        tl.store(part_o_ptr + p_row[:, None] * HEAD_DIM + d[None, :], o, mask=io_mask)
+        tl.store(part_lse_ptr + p_row, m_i + tl.log2(l_i), mask=h_valid)
 
 
-# Zeroed int32 arrival counts of the split decode, one per (sequence, kv head), per device.
-# Never freed or shrunk: a captured CUDA graph keeps the address it was captured with.
-_ARRIVALS: dict[tuple, list[torch.Tensor]] = {}
-
-
-def _arrival_counts(device: torch.device, n: int) -> torch.Tensor:
-    buffers = _ARRIVALS.setdefault((device.type, device.index), [])
-    if not buffers or buffers[-1].numel() < n:
-        buffers.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
-    return buffers[-1]
+@triton.jit(do_not_specialize=["stride_ps", "num_splits"])
+def _decode_merge_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr,
+    stride_ps, stride_ph, stride_os, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # grid: (num_seqs, num_heads). out = sum_s w_s * o_s / sum_s w_s over the used splits,
+    # w_s = 2^(lse_s - max lse), BLOCK_S splits per tile (a constant: no split count compiles a
+    # variant of its own; one tile in the usual case). A sequence of length 0 gets zeros.
+    pdl_wait(PDL)
+    pdl_launch_dependents(PDL)  # at batch 1 the o_proj GEMV follows: it prefetches its weights meanwhile
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    n_used = tl.cdiv(seq_len, tl.maximum(_split_len(seq_len, num_splits, BLOCK_N), 1))
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    row0 = seq.to(tl.int64) * stride_ps + head * stride_ph
+    m = tl.full([1], float("-inf"), tl.float32)
+    w_sum = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, n_used, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_valid = s < n_used
+        lse = tl.load(part_lse_ptr + row0 + s, mask=s_valid, other=float("-inf"))
+        o = tl.load(part_o_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :], mask=s_valid[:, None] & d_mask[None, :],
+                    other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))  # finite: every tile holds a used split
+        rescale = tl.exp2(m - m_new)  # 0 on the first tile
+        w = tl.exp2(lse - m_new)  # 0 for unused splits
+        acc = acc * rescale + tl.sum(w[:, None] * o, 0)
+        w_sum = w_sum * rescale + tl.sum(w, 0)
+        m = m_new
+    out = acc / tl.maximum(w_sum, 1.0)  # w_sum >= 1 (the largest split has w = 1); 0 / 1 when no split
+    tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -352,20 +337,25 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, 
     block_d = triton.next_power_of_2(head_dim)
     direct = num_kv_splits == 1
     if direct:
-        part_o = part_lse = arrivals = out  # unused
+        part_o = part_lse = out  # unused
     else:
         part_o = torch.empty((num_seqs, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, num_kv_splits), dtype=torch.float32, device=q.device)
-        arrivals = _arrival_counts(q.device, num_seqs * num_kv_heads)
     _decode_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out, arrivals,
+        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_heads * num_kv_splits, num_kv_splits, out.stride(0), out.stride(1),
         scale * k_scale * LOG2E, v_scale, k_cache.shape[1], num_kv_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        **_dot_flags(q.dtype), DIRECT=direct, BLOCK_S=16, num_warps=4, num_stages=3, **pdl_args(),
+        **_dot_flags(q.dtype), DIRECT=direct, num_warps=4, num_stages=3, **pdl_args(),
     )
+    if not direct:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            part_o, part_lse, out, seq_lens,
+            num_heads * num_kv_splits, num_kv_splits, out.stride(0), out.stride(1), num_kv_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=16, BLOCK_N=block_n, num_warps=4, **pdl_args(),
+        )
     return out
 
 
@@ -373,8 +363,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, 
     """One query token per sequence, at its last position: q [num_seqs, num_heads, head_dim] -> out.
 
     Split-KV flash decoding: each sequence's keys are cut into up to num_kv_splits
-    chunks processed in parallel, then merged by log-sum-exp in the same launch (the last
-    split of each sequence and kv head to finish merges). None: chosen from the
+    chunks processed in parallel, then merged by log-sum-exp. None: chosen from the
     SM count, batch size and the block table's capacity (no device->host sync).
     """
     if use_triton(q):

@@ -58,12 +58,16 @@ KERNELS = {
     # Qwen3-8B's attention: 32 q heads over 8 kv heads of 128, bf16 cache
     **{f"paged_attention._decode_kernel[DIRECT={direct}]": (A._decode_kernel, {
         "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "bt_ptr": I32, "seq_lens_ptr": I32,
-        "part_o_ptr": F32, "part_lse_ptr": F32, "out_ptr": "*bf16", "arrivals_ptr": I32,
+        "part_o_ptr": F32, "part_lse_ptr": F32, "out_ptr": "*bf16",
         **{name: INT for name in ("stride_qs", "stride_qh", "stride_cb", "stride_co", "stride_ch", "stride_bt",
                                   "stride_ps", "stride_ph", "stride_os", "stride_oh")},
         "scale_log2e": "fp32", "v_scale": "fp32", "block_size": INT, "num_splits": INT},
         {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": 64, "PRECISION": None,
-         "UPCAST": False, "DIRECT": direct, "BLOCK_S": 16, "PDL": True}, 4) for direct in (False, True)},
+         "UPCAST": False, "DIRECT": direct, "PDL": True}, 4) for direct in (False, True)},
+    "paged_attention._decode_merge_kernel": (A._decode_merge_kernel, {
+        "part_o_ptr": F32, "part_lse_ptr": F32, "out_ptr": "*bf16", "seq_lens_ptr": I32,
+        **{name: INT for name in ("stride_ps", "stride_ph", "stride_os", "stride_oh", "num_splits")}},
+        {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 16, "BLOCK_N": 64, "PDL": True}, 4),
     "qk_norm_rope._qk_norm_rope_kernel[STORE_KV]": (Q._qk_norm_rope_kernel, {
         "pos_ptr": I64, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
         "cos_sin_ptr": F32, "slot_ptr": I64, "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
