@@ -20,8 +20,9 @@ echo "${MET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" 
 
 if [ "$QUICK" = "focused" ]; then
   # The GPU tests of the decode path (or $FOCUSED_TESTS), then the headline benchmarks (batch-1
-  # latency with and without programmatic dependent launch), transformers, summary.md; all logs
-  # packed into $OUT/results.tgz (the device tool returns at most 8 files).
+  # latency with and without programmatic dependent launch), transformers, summary.md (or the
+  # steps in $FOCUSED_STEPS, among those below); all logs packed into $OUT/results.tgz (the
+  # device tool returns at most 8 files).
   if [ -z "${FOCUSED_DIR:-}" ]; then  # the outer call: the steps under a deadline, then the pack
     export FOCUSED_DIR=$(mktemp -d)
     cp "$OUT/commit.txt" "$FOCUSED_DIR/"
@@ -33,21 +34,33 @@ if [ "$QUICK" = "focused" ]; then
   TESTS=${FOCUSED_TESTS:-"tests/gpu/test_gpu_generation.py tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_compiles.py
     tests/kernels/test_qk_norm_rope.py tests/kernels/test_sampling.py tests/kernels/test_fp8_kv.py
     tests/kernels/test_paged_attention.py::test_decode_gpu"}
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider $TESTS --durations=15 \
+  # -v: each test's outcome is in the log as it ends, even if the deadline cuts the run short
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rs -m gpu -p no:cacheprovider $TESTS --durations=15 \
       > "$W/gpu_tests.log" 2>&1
-  tail -25 "$W/gpu_tests.log"
+  grep -cE " PASSED" "$W/gpu_tests.log"; grep -E "FAILED|ERROR|passed|failed" "$W/gpu_tests.log" | tail -15
   LAT="--model Qwen3-8B --load-format dummy --batch-size 1 --input-len 512 --output-len 128 --max-model-len 4096 --max-num-seqs 8"
   THR="--model Qwen3-0.6B --load-format dummy --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 4096 --max-num-seqs 256"
-  timeout 100 python3 -m metrale.entrypoints.cli bench latency $LAT --output-json "$W/latency_qwen3_8b_async.json" > "$W/latency.log" 2>&1
-  tail -3 "$W/latency.log"
-  timeout 100 python3 -m metrale.entrypoints.cli bench latency $LAT --no-programmatic-launch --output-json "$W/latency_qwen3_8b_no_pdl.json" \
-      > "$W/latency_no_pdl.log" 2>&1; tail -3 "$W/latency_no_pdl.log"
-  timeout 100 python3 -m metrale.entrypoints.cli bench throughput $THR --output-json "$W/throughput_qwen3_0_6b_async.json" > "$W/throughput.log" 2>&1
-  tail -4 "$W/throughput.log"
-  timeout 90 python3 benchmarks/hf_baseline.py latency --model Qwen3-8B --input-len 512 --output-len 128 \
-      --output-json "$W/hf_latency_qwen3_8b.json" > "$W/hf_latency.log" 2>&1; tail -3 "$W/hf_latency.log"
-  timeout 100 python3 benchmarks/hf_baseline.py throughput --model Qwen3-0.6B --num-prompts 64 --max-new-tokens 256 \
-      --output-json "$W/hf_throughput_qwen3_0_6b.json" > "$W/hf_throughput.log" 2>&1; tail -3 "$W/hf_throughput.log"
+  BENCH="python3 -m metrale.entrypoints.cli bench"
+  for step in ${FOCUSED_STEPS:-latency latency_no_pdl throughput hf}; do
+    case $step in
+      latency) timeout 100 $BENCH latency $LAT --output-json "$W/latency_qwen3_8b_async.json" > "$W/latency.log" 2>&1
+               tail -3 "$W/latency.log" ;;
+      latency_no_pdl) timeout 100 $BENCH latency $LAT --no-programmatic-launch \
+               --output-json "$W/latency_qwen3_8b_no_pdl.json" > "$W/latency_no_pdl.log" 2>&1
+               tail -3 "$W/latency_no_pdl.log" ;;
+      throughput) timeout 100 $BENCH throughput $THR --output-json "$W/throughput_qwen3_0_6b_async.json" \
+               > "$W/throughput.log" 2>&1; tail -4 "$W/throughput.log" ;;
+      timeline) timeout 100 python3 benchmarks/step_timeline.py --model Qwen3-0.6B --output-json "$W/timeline.json" \
+               > "$W/timeline.log" 2>&1; tail -9 "$W/timeline.log" ;;
+      profile256) timeout 100 python3 benchmarks/profile_step.py --model Qwen3-0.6B --table-rows 25 \
+               > "$W/profile_0_6b_256.log" 2>&1; grep -E "steady|GPU busy" "$W/profile_0_6b_256.log" ;;
+      hf) timeout 90 python3 benchmarks/hf_baseline.py latency --model Qwen3-8B --input-len 512 --output-len 128 \
+               --output-json "$W/hf_latency_qwen3_8b.json" > "$W/hf_latency.log" 2>&1; tail -3 "$W/hf_latency.log"
+          timeout 100 python3 benchmarks/hf_baseline.py throughput --model Qwen3-0.6B --num-prompts 64 \
+               --max-new-tokens 256 --output-json "$W/hf_throughput_qwen3_0_6b.json" > "$W/hf_throughput.log" 2>&1
+          tail -3 "$W/hf_throughput.log" ;;
+    esac
+  done
   python3 benchmarks/summarize.py "$W" | tee "$W/summary.md"
   exit 0
 fi
