@@ -52,7 +52,8 @@ def warm_up_kernels(runner, max_num_seqs: int) -> float:
         _decode_once(runner, vocab)
     sms = torch.cuda.get_device_properties(runner.device).multi_processor_count
     for rows in sorted({1, min(max_num_seqs, sms)}):
-        logits = torch.randn(rows, vocab, device=runner.device)
+        # in the LM head's dtype, as the engine hands them over (a kernel variant per dtype)
+        logits = torch.randn(rows, vocab, device=runner.device, dtype=runner.model_config.dtype)
         params = SamplingParams(temperature=0.6)
         sample_tokens(logits, [SamplingRow(params, i, [1], 1) for i in range(rows)]).tokens.tolist()
     torch.cuda.synchronize(runner.device)
