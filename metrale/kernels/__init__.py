@@ -96,5 +96,4 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 __all__ = ["HAS_TRITON", "triton", "tl", "interpret_mode", "triton_available", "use_triton", "pdl_args", "pdl_wait",
-           "pdl_launch_dependents",
-           "set_programmatic_launch", "programmatic_launch_supported"]
+           "pdl_launch_dependents", "set_programmatic_launch", "programmatic_launch_supported"]
