@@ -46,7 +46,7 @@ def warm_up_kernels(runner, max_num_seqs: int) -> float:
     pool_tokens = runner.kv_caches[0].shape[1] * runner.block_size if runner.kv_caches else 0
     for length in PREFILL_LENGTHS:
         if length <= pool_tokens:
-            runner._forward_whole(runner._prefill_plan([[1] * length], "__warmup"))
+            runner.forward_whole(runner.prefill_plan([[1] * length], "__warmup"))
             runner.requests.clear()
     if DECODE_CONTEXT + 1 <= pool_tokens:
         _decode_once(runner, vocab)
@@ -65,13 +65,13 @@ def warm_up_kernels(runner, max_num_seqs: int) -> float:
 def _decode_once(runner, vocab: int) -> None:
     """One eager pure-decode step after a DECODE_CONTEXT-token prefill."""
     tokens = [i % vocab for i in range(DECODE_CONTEXT)]
-    plan = runner._prefill_plan([tokens], "__warmup")
-    runner._forward_whole(plan)
+    plan = runner.prefill_plan([tokens], "__warmup")
+    runner.forward_whole(plan)
     new = plan.new_requests[0]
     new.token_ids.append(1)
     blocks = -(-(DECODE_CONTEXT + 1) // runner.block_size)
     extra = list(range(len(new.block_ids), blocks))
     decode = SchedulerOutput(cached_requests=[CachedRequestData(new.request_id, extra, DECODE_CONTEXT)],
                              num_scheduled_tokens={new.request_id: 1})
-    runner._forward_whole(decode)
+    runner.forward_whole(decode)
     runner.requests.clear()

@@ -147,11 +147,11 @@ class ModelRunner:
         for `num_sampled` rows. A throwaway KV cache just large enough is used and freed."""
         lengths = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
         self.allocate_kv_cache(sum(-(-n // self.block_size) for n in lengths))
-        plan = self._prefill_plan([[1] * n for n in lengths], "__profile")
+        plan = self.prefill_plan([[1] * n for n in lengths], "__profile")
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        hidden = self._forward_whole(plan)
+        hidden = self.forward_whole(plan)
         rows = min(num_sampled, hidden.shape[0])
         logits = self.model.compute_logits(hidden[:rows])
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
@@ -171,7 +171,7 @@ class ModelRunner:
         for layer in layers:
             layer.observed_amax = [0.0, 0.0]
         for start in range(0, len(token_ids), max_model_len):  # one sequence at a time, from block 0
-            self._forward_whole(self._prefill_plan([token_ids[start:start + max_model_len]], "__calibrate"))
+            self.forward_whole(self.prefill_plan([token_ids[start:start + max_model_len]], "__calibrate"))
             self.requests.clear()
         for layer, dtype in zip(layers, self.kv_cache_dtypes):
             k_amax, v_amax = layer.observed_amax
@@ -180,7 +180,7 @@ class ModelRunner:
                 layer.k_scale = max(k_amax * headroom / 448.0, 1e-6)
                 layer.v_scale = max(v_amax * headroom / 448.0, 1e-6)
 
-    def _prefill_plan(self, sequences: list[list[int]], tag: str) -> SchedulerOutput:
+    def prefill_plan(self, sequences: list[list[int]], tag: str) -> SchedulerOutput:
         """A plan computing whole `sequences` at once, laid out in consecutive blocks from block 0
         (startup passes only: nothing else holds the pool then)."""
         plan, first_block = SchedulerOutput(), 0
@@ -192,7 +192,7 @@ class ModelRunner:
             first_block += blocks
         return plan
 
-    def _forward_whole(self, plan: SchedulerOutput) -> torch.Tensor:
+    def forward_whole(self, plan: SchedulerOutput) -> torch.Tensor:
         """The hidden states of every token of a startup plan (no sampling)."""
         self._apply_plan(plan)
         batch = self.prepare_inputs(plan)

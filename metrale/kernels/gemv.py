@@ -37,7 +37,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from metrale.kernels import interpret_mode, pdl_args, pdl_wait, tl, triton, use_triton  # noqa: F401  (interpret_mode: for callers)
+# interpret_mode: for callers
+from metrale.kernels import interpret_mode, pdl_args, pdl_wait, tl, triton, use_triton  # noqa: F401
 
 MAX_M = 4
 # Programs the default config aims to give each SM. 132 is an H100/H200 SXM; the constant (rather

@@ -42,10 +42,10 @@ SAMPLING_EPS = reference.SAMPLING_EPS
 INT32_MIN = -(2**31)
 # Fixed-point unit of a token's mass e^(l - max) <= 1: a vocabulary's sum fits int64 with room.
 MASS_ONE = tl.constexpr(1099511627776.0)  # 2^40
-DIGIT_SHIFTS = (24, 16, 8, 0)
+DIGIT_SHIFTS = (24, 16, 8, 0)  # radix select: 8-bit digits of the 32-bit key, most significant first
 # The batch size changes every step: Triton must not compile a variant per value of it (it
 # specialises integer arguments equal to 1 or divisible by 16 unless told not to).
-NO_SPECIALIZE = ["n_rows"]  # radix select: 8-bit digits of the 32-bit key, most significant first
+NO_SPECIALIZE = ["n_rows"]
 
 
 @triton.jit
@@ -400,8 +400,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 def sample_tokens(logits, temperature, top_k, top_p, min_p, seeds, offsets) -> torch.Tensor:
-    """logits fp32 [n, vocab] (the Triton path also reads bf16/fp16, widened exactly); per-row temperature, top_k (0 or >= vocab: off), top_p (1: off),
-    min_p (0: off), seeds int64, offsets int64 (e.g. the request's output position).
+    """logits fp32 [n, vocab] (the Triton path also reads bf16/fp16, widened exactly); per-row
+    temperature, top_k (0 or >= vocab: off), top_p (1: off), min_p (0: off), seeds int64,
+    offsets int64 (e.g. the request's output position).
     Returns int64 [n] token ids on logits' device. Draws depend only on (seed, offset)."""
     if use_triton(logits):
         return sample_tokens_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets)

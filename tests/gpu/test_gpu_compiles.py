@@ -19,7 +19,8 @@ def compiled_variants() -> dict[str, set]:
     """Per met kernel, the keys of the variants Triton has compiled so far in this process."""
     from triton.runtime.jit import JITFunction
 
-    modules = [importlib.import_module(f"metrale.kernels.{m.name}") for m in pkgutil.iter_modules(metrale.kernels.__path__)]
+    modules = [importlib.import_module(f"metrale.kernels.{m.name}")
+               for m in pkgutil.iter_modules(metrale.kernels.__path__)]
     modules.append(importlib.import_module("metrale.layers.moe.triton_moe"))
     variants: dict[str, set] = {}
     for module in modules:
