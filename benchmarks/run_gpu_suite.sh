@@ -14,6 +14,9 @@ OUT="${OUT:-/tmp/met-gpu-suite}"
 mkdir -p "$OUT"
 QUICK="${1:-}"
 met() { python3 -m metrale.entrypoints.cli "$@"; }
+# The two headline workloads of docs/benchmarks.md, for every mode below.
+LAT="--model Qwen3-8B --load-format dummy --batch-size 1 --input-len 512 --output-len 128 --max-model-len 4096 --max-num-seqs 8"
+THR="--model Qwen3-0.6B --load-format dummy --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 4096 --max-num-seqs 256"
 
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))'
 echo "${MET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" > "$OUT/commit.txt"
@@ -38,8 +41,6 @@ if [ "$QUICK" = "focused" ]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rs -m gpu -p no:cacheprovider $TESTS --durations=15 \
       > "$W/gpu_tests.log" 2>&1
   grep -cE " PASSED" "$W/gpu_tests.log"; grep -E "FAILED|ERROR|passed|failed" "$W/gpu_tests.log" | tail -15
-  LAT="--model Qwen3-8B --load-format dummy --batch-size 1 --input-len 512 --output-len 128 --max-model-len 4096 --max-num-seqs 8"
-  THR="--model Qwen3-0.6B --load-format dummy --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 4096 --max-num-seqs 256"
   BENCH="python3 -m metrale.entrypoints.cli bench"
   for step in ${FOCUSED_STEPS:-latency latency_no_pdl throughput hf}; do
     case $step in
@@ -69,9 +70,8 @@ if [ "$QUICK" = "profile" ]; then
   python3 benchmarks/pdl_probe.py > "$OUT/pdl_probe.log" 2>&1; tail -8 "$OUT/pdl_probe.log"
   python3 benchmarks/step_timeline.py --model Qwen3-0.6B --output-json "$OUT/timeline_0_6b.json" \
       > "$OUT/timeline_0_6b.log" 2>&1; tail -10 "$OUT/timeline_0_6b.log"
-  met bench latency --model Qwen3-8B --load-format dummy --batch-size 1 --input-len 512 --output-len 128 \
-      --max-model-len 4096 --max-num-seqs 8 --output-json "$OUT/latency_qwen3_8b_async.json" \
-      > "$OUT/latency_qwen3_8b_async.log" 2>&1; tail -4 "$OUT/latency_qwen3_8b_async.log"
+  met bench latency $LAT --output-json "$OUT/latency_qwen3_8b_async.json" > "$OUT/latency_qwen3_8b_async.log" 2>&1
+  tail -4 "$OUT/latency_qwen3_8b_async.log"
   python3 benchmarks/profile_step.py --model Qwen3-8B --num-prompts 1 --max-num-seqs 1 --table-rows 45 \
       > "$OUT/profile_8b_bs1.log" 2>&1; grep -E "steady|GPU busy" "$OUT/profile_8b_bs1.log"
   python3 benchmarks/profile_step.py --model Qwen3-0.6B --table-rows 45 > "$OUT/profile_0_6b_256.log" 2>&1
@@ -91,13 +91,10 @@ fi
 # Asynchronous scheduling (the default on CUDA) and synchronous, back to back on the same GPU.
 for mode in async sync; do
   flag="--async-scheduling"; [ "$mode" = sync ] && flag="--no-async-scheduling"
-  met bench latency --model Qwen3-8B --load-format dummy --batch-size 1 --input-len 512 --output-len 128 \
-      --max-model-len 4096 --max-num-seqs 8 $flag --output-json "$OUT/latency_qwen3_8b_$mode.json" \
-      > "$OUT/latency_qwen3_8b_$mode.log" 2>&1
+  met bench latency $LAT $flag --output-json "$OUT/latency_qwen3_8b_$mode.json" > "$OUT/latency_qwen3_8b_$mode.log" 2>&1
   tail -4 "$OUT/latency_qwen3_8b_$mode.log"
-  met bench throughput --model Qwen3-0.6B --load-format dummy --num-prompts 256 --input-len-range 100 1024 \
-      --output-len-range 100 1024 --max-model-len 4096 --max-num-seqs 256 $flag \
-      --output-json "$OUT/throughput_qwen3_0_6b_$mode.json" > "$OUT/throughput_qwen3_0_6b_$mode.log" 2>&1
+  met bench throughput $THR $flag --output-json "$OUT/throughput_qwen3_0_6b_$mode.json" \
+      > "$OUT/throughput_qwen3_0_6b_$mode.log" 2>&1
   tail -4 "$OUT/throughput_qwen3_0_6b_$mode.log"
 done
 if [ "$QUICK" != "quick" ]; then
