@@ -24,17 +24,29 @@ from metrale.bench.workload import random_workload  # noqa: E402
 
 
 def profile_prefill(args):
-    llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=8)
+    n = args.prefill_prompts
+    llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
+              max_num_seqs=max(8, n),
+              max_num_batched_tokens=max(8192, n * args.prefill_len))
     from metrale import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=1)
+
+    def prompts(salt):
+        return [{"prompt_token_ids": [(p * 31 + j * salt) % 1000 for j in range(args.prefill_len)]} for p in range(n)]
+
     for i in range(3):
-        llm.generate({"prompt_token_ids": [(i * 7 + j) % 1000 for j in range(args.prefill_len)]}, params)
+        llm.generate(prompts(i + 7), params)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate(prompts(13), params)
+    torch.cuda.synchronize()
+    print(f"prefill of {n} x {args.prefill_len} tokens: {(time.perf_counter() - start) * 1e3:.2f} ms")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        llm.generate({"prompt_token_ids": [(j * 13) % 1000 for j in range(args.prefill_len)]}, params)
+        llm.generate(prompts(17), params)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=50))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.table_rows, max_name_column_width=60))
 
 
 def profile_first_token(args):
@@ -84,11 +96,12 @@ def main():
     parser.add_argument("--skip-steps", type=int, default=60)
     parser.add_argument("--active-steps", type=int, default=10)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=4096, help="for --first-token")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="for --first-token and --prefill-len")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--ep-size", type=int, default=1)
     parser.add_argument("--table-rows", type=int, default=18, help="rows of the kernel table")
     parser.add_argument("--prefill-len", type=int, default=0, help="profile one prefill of this many tokens instead")
+    parser.add_argument("--prefill-prompts", type=int, default=1, help="with --prefill-len: prompts in the one step")
     parser.add_argument("--first-token", type=int, default=0,
                         help="time each step of one request with a prompt of this many tokens up to its first tokens")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

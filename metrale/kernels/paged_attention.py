@@ -158,7 +158,8 @@ def _check_paged(q, k_cache, v_cache, block_tables):
 
 
 def extend_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len, scale,
-                            k_scale: float = 1.0, v_scale: float = 1.0):
+                            k_scale: float = 1.0, v_scale: float = 1.0, *, config: tuple | None = None):
+    """config: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of _extend_config's (benchmarks)."""
     _check_paged(q, k_cache, v_cache, block_tables)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -167,7 +168,7 @@ def extend_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0 or max_q_len == 0:
         return out
-    block_m, block_n, num_warps, num_stages = _extend_config(head_dim, max_q_len * group)
+    block_m, block_n, num_warps, num_stages = config or _extend_config(head_dim, max_q_len * group)
     grid = (triton.cdiv(max_q_len * group, block_m), num_seqs, num_kv_heads)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
@@ -320,8 +321,14 @@ def choose_num_kv_splits(num_seqs, num_kv_heads, max_context, device) -> int:
 DECODE_BLOCK_N = 64
 
 
+def _decode_config(head_dim):
+    """(BLOCK_N keys per tile, num_warps, num_stages) of the decode kernel."""
+    return (DECODE_BLOCK_N if head_dim <= 128 else DECODE_BLOCK_N // 2), 4, 3
+
+
 def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_kv_splits=None,
-                            k_scale: float = 1.0, v_scale: float = 1.0):
+                            k_scale: float = 1.0, v_scale: float = 1.0, *, config: tuple | None = None):
+    """config: (BLOCK_N, num_warps, num_stages) instead of _decode_config's (benchmarks)."""
     _check_paged(q, k_cache, v_cache, block_tables)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -333,7 +340,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, 
         max_context = block_tables.shape[1] * k_cache.shape[1]
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_context, q.device)
     assert 1 <= num_kv_splits <= MAX_KV_SPLITS, num_kv_splits
-    block_n = DECODE_BLOCK_N if head_dim <= 128 else DECODE_BLOCK_N // 2
+    block_n, num_warps, num_stages = config or _decode_config(head_dim)
     block_d = triton.next_power_of_2(head_dim)
     direct = num_kv_splits == 1
     if direct:
@@ -348,7 +355,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, 
         scale * k_scale * LOG2E, v_scale, k_cache.shape[1], num_kv_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        **_dot_flags(q.dtype), DIRECT=direct, num_warps=4, num_stages=3, **pdl_args(),
+        **_dot_flags(q.dtype), DIRECT=direct, num_warps=num_warps, num_stages=num_stages, **pdl_args(),
     )
     if not direct:
         _decode_merge_kernel[(num_seqs, num_heads)](
