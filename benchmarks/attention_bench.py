@@ -37,11 +37,11 @@ CASES = {
     "prefill_8x1024": ("extend", 16, 8, 128, 8, 1024),
     "prefill_16x512": ("extend", 16, 8, 128, 16, 512),
 }
-# (BLOCK_N, num_warps, num_stages); (BLOCK_N, num_warps, num_stages, splits) for batch 1
-DECODE_GRID = [(64, 4, 3), (64, 4, 2), (64, 8, 3), (32, 4, 3), (32, 4, 4), (32, 2, 3), (128, 8, 2), (128, 4, 2),
-               (64, 4, 4), (16, 2, 3), (64, 2, 3)]
-BS1_GRID = [(64, 4, 3, 8), (64, 4, 3, 32), (32, 4, 3, 16), (32, 4, 3, 32), (16, 4, 2, 32), (16, 2, 2, 64),
-            (32, 2, 2, 32), (64, 4, 1, 16), (32, 4, 1, 32)]
+# (BLOCK_N, num_warps, num_stages); (BLOCK_N, num_warps, num_stages, splits) for batch 1. The
+# default (the kernel's own choice) is timed first in every case.
+DECODE_GRID = [(64, 4, 3), (64, 4, 2), (64, 4, 1), (128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 2, 2), (128, 2, 2)]
+BS1_GRID = [(64, 4, 3, 16), (64, 4, 2, 16), (64, 4, 1, 8), (64, 4, 1, 32), (64, 2, 1, 16), (32, 4, 1, 16),
+            (32, 2, 1, 32)]
 # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 EXTEND_GRID = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (64, 32, 4, 3), (128, 32, 4, 3),
                (64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2)]
@@ -91,7 +91,7 @@ def run_decode(name, heads, kv_heads, d, n_seqs, ctx, configs, dtype, bw, calls,
     ref = None
     out = {}
     for cfg in configs:
-        kernel_cfg, splits = (cfg[:3], cfg[3]) if len(cfg) == 4 else (cfg, None)
+        kernel_cfg, splits = (cfg[:3], cfg[3]) if cfg is not None and len(cfg) == 4 else (cfg, None)
         if batch1:
             def fn(i, c=kernel_cfg, s=splits):
                 return decode_attention_triton(q[i:i + 1], k, v, table[i:i + 1], seq_lens[i:i + 1], scale,
@@ -152,7 +152,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("attention_bench.py needs a CUDA GPU; nothing measured.", file=sys.stderr)
         return 1
-    from metrale.kernels.paged_attention import _decode_config, _extend_config
+    from metrale.kernels.paged_attention import _decode_config, _extend_config, choose_num_kv_splits
 
     dtype = torch.bfloat16
     bw = copy_bandwidth()
@@ -163,14 +163,16 @@ def main(argv=None):
     for name in filter(None, args.cases.split(",")):
         kind, heads, kv_heads, d, n_seqs, size = CASES[name]
         if kind == "decode":
-            default = _decode_config(d)
             grid = BS1_GRID if n_seqs == 1 else DECODE_GRID
-            configs = list(dict.fromkeys([default] + ([] if args.default_only else grid)))
+            configs = [None] + ([] if args.default_only else grid)  # None: the kernel's own choice
             res, kv_bytes = run_decode(name, heads, kv_heads, d, n_seqs, size, configs, dtype, bw,
                                        args.calls, args.replays)
+            max_context = 4096 if n_seqs == 1 else -(-size[1] // BLOCK_SIZE) * BLOCK_SIZE
+            splits = choose_num_kv_splits(n_seqs, kv_heads, max_context, torch.device("cuda"))
+            default = (*_decode_config(d, n_seqs, kv_heads, splits, torch.device("cuda")), splits)
             for cfg, us in sorted(res.items(), key=lambda kv: kv[1]):
-                tag = " (default)" if cfg == default else ""
-                print(f"| {name} | {cfg}{tag} | {us:.2f} us | {kv_bytes / us / 1e6 / bw * 1e12:.1%} of copy BW |")
+                label = f"default {default}" if cfg is None else str(cfg)
+                print(f"| {name} | {label} | {us:.2f} us | {kv_bytes / us / 1e6 / bw * 1e12:.1%} of copy BW |")
         else:
             default = _extend_config(d, size * heads // kv_heads)
             configs = list(dict.fromkeys([default] + ([] if args.default_only else EXTEND_GRID)))

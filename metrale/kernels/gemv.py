@@ -60,27 +60,35 @@ def _vec(dtype: torch.dtype, block_k: int) -> int:
 
 
 def gemv_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
-    """Default launch config, set from one H200 run of benchmarks/gemv_bench.py (bf16; that run
-    tried 13-15 configs per shape, so these are the best seen, not a full search):
+    """Default launch config, set from H200 runs of benchmarks/gemv_bench.py (bf16; each tried
+    13-25 configs per shape, so these are the best seen, not a full search):
 
-      BLOCK_N 4 won every (shape, M) measured; smaller only when N / 4 < 4 programs per SM.
-      N <= 8192, M == 1: 2 KiB of each weight row per chunk, 4 warps, plain loads (num_stages 1)
-      N <= 8192, M == 2: 1 KiB per chunk, 2 warps, cp.async ring of 3 stages
-      N <= 8192, M >= 3: 512 B per chunk, 1 warp, cp.async ring of 3 stages
-      N >  8192:         2 KiB per chunk, 4 warps, cp.async ring of 3 stages (plain loads untested)
+      M == 1: one weight row per program, read 8 KiB at a time with 8 warps and plain loads, so
+              a program issues its whole row (K = 4096) at once. Measured at `97d7852` (us, vs
+              cuBLAS; copy bandwidth 4.20 TB/s): qkv 6144x4096 13.4 vs 15.7, gate_up 24576x4096
+              46.1 vs 49.7, o_proj 4096x4096 9.7 vs 13.2, down 4096x12288 24.6 vs 30.4; two rows
+              per program came within 1 us of it everywhere. The earlier rule (4 rows, 2 KiB
+              chunks, 4 warps) took 15.7, 56.6, 10.4 and 25.2.
+      M >= 2: BLOCK_N 4 (smaller only when N / 4 < 4 programs per SM);
+              N <= 8192, M == 2: 1 KiB per chunk, 2 warps, cp.async ring of 3 stages
+              N <= 8192, M >= 3: 512 B per chunk, 1 warp, cp.async ring of 3 stages
+              N >  8192:         2 KiB per chunk, 4 warps, cp.async ring of 3 stages
     The chunk is capped at K rounded up to a power of two, and num_warps at what keeps every
-    warp along K. Measured at M=1 (us, this kernel's best vs cuBLAS; copy bandwidth 4.18 TB/s):
-    o_proj 4096x4096 10.4 vs 13.4, down 4096x12288 24.7 vs 29.2, tp=2 halves 1.15-1.45x faster;
-    but qkv 6144x4096 18.2 vs 15.6, gate_up 24576x4096 56 vs 48, lm_head 315 vs 284 (cuBLAS wins).
+    warp along K.
     """
     elem = dtype.itemsize
-    if N > 8192 or M == 1:
-        chunk_bytes, num_warps, num_stages = 2048, 4, (3 if N > 8192 else 1)
+    k_cap = max(triton.next_power_of_2(K), 16)
+    if M == 1:
+        block_k = min(8192 // elem, k_cap)
+        num_warps = max(1, min(8, block_k // (_vec(dtype, block_k) * 32)))
+        return GemvConfig(block_n=1, block_k=block_k, num_warps=num_warps, num_stages=1)
+    if N > 8192:
+        chunk_bytes, num_warps, num_stages = 2048, 4, 3
     elif M == 2:
         chunk_bytes, num_warps, num_stages = 1024, 2, 3
     else:
         chunk_bytes, num_warps, num_stages = 512, 1, 3
-    block_k = min(chunk_bytes // elem, max(triton.next_power_of_2(K), 16))
+    block_k = min(chunk_bytes // elem, k_cap)
     block_n = 4
     while block_n > 1 and triton.cdiv(N, block_n) < _PROGRAMS_PER_SM * _NUM_SMS:
         block_n //= 2

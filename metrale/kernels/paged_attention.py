@@ -142,10 +142,10 @@ def _dot_flags(dtype):
 
 
 def _extend_config(head_dim, rows_per_seq):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages); Hopper-oriented, untuned."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); Hopper-oriented, lightly tuned."""
     block_m = min(64, max(16, triton.next_power_of_2(rows_per_seq)))
-    if head_dim <= 128:
-        return block_m, 64, 4, 3
+    if head_dim <= 128:  # 32-key tiles: 8 x 1024 new tokens 176 us vs 187 for 64 (H200, attention_bench.py)
+        return block_m, 32, 4, 3
     return block_m, 32, 4, 2
 
 
@@ -321,9 +321,23 @@ def choose_num_kv_splits(num_seqs, num_kv_heads, max_context, device) -> int:
 DECODE_BLOCK_N = 64
 
 
-def _decode_config(head_dim):
-    """(BLOCK_N keys per tile, num_warps, num_stages) of the decode kernel."""
-    return (DECODE_BLOCK_N if head_dim <= 128 else DECODE_BLOCK_N // 2), 4, 3
+def _decode_config(head_dim, num_seqs, num_kv_heads, num_splits, device):
+    """(BLOCK_N keys per tile, num_warps, num_stages) of the decode kernel, from one H200 run of
+    benchmarks/attention_bench.py at `97d7852` (bf16, head_dim 128; us per call, against the
+    earlier fixed (64, 4, 3)):
+      * unsplit and >= 4 (sequence, kv head) programs per SM: 128-key tiles, a 2-stage ring:
+        256 sequences x 8 kv heads 273 us (97% of copy bandwidth) vs 287; 128 x 8: 183 vs 195;
+      * fewer than a quarter of the SMs' worth of (sequence, kv head) pairs (batch 1-4 with 8 kv
+        heads), whose splits are a tile or two long: no pipelining, batch 1 at 576 keys 6.1 vs 6.7;
+      * between: 64-key tiles, 2 stages: 32 sequences (2 splits) 60.9 vs 74.6.
+    Head dims above 128 halve the tile (shared memory)."""
+    sms = _num_sms(device.index if device.type == "cuda" else None)
+    pairs = num_seqs * num_kv_heads
+    if num_splits == 1 and pairs >= 4 * sms:
+        block_n, num_stages = 2 * DECODE_BLOCK_N, 2
+    else:
+        block_n, num_stages = DECODE_BLOCK_N, (1 if 4 * pairs < sms else 2)
+    return (block_n if head_dim <= 128 else block_n // 2), 4, num_stages
 
 
 def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_kv_splits=None,
@@ -340,7 +354,8 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, 
         max_context = block_tables.shape[1] * k_cache.shape[1]
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_context, q.device)
     assert 1 <= num_kv_splits <= MAX_KV_SPLITS, num_kv_splits
-    block_n, num_warps, num_stages = config or _decode_config(head_dim)
+    block_n, num_warps, num_stages = config or _decode_config(head_dim, num_seqs, num_kv_heads, num_kv_splits,
+                                                              q.device)
     block_d = triton.next_power_of_2(head_dim)
     direct = num_kv_splits == 1
     if direct:

@@ -8,8 +8,9 @@ is a threshold on a monotone int32 key of l (fp32 bits, negatives' magnitude bit
   * top-k: t_k = the k-th largest key,
   * top-p: t_p = the largest key t >= t_k whose mass, sum_{key >= t} e^(l - max), reaches
     top_p * Z, Z the same sum over the top-k survivors,
-  * then a Gumbel-max draw: argmax over kept tokens of l + g, g = -log(-log(u)),
-    u = tl.rand(seed, offset * vocab + token_index).
+  * then a Gumbel-max draw: argmax over kept tokens of l + g, g = -log(-log(u)), where token
+    n of a row takes 32-bit word n % 4 of Philox-4x32-10(seed, offset * ceil(vocab / 4) + n // 4)
+    as u (`_gumbel`): one Philox call serves four neighbouring tokens.
 
 Rows are cut into chunks of 4096 tokens and every pass runs one program per (row, chunk), so a
 single row uses the whole GPU:
@@ -67,6 +68,19 @@ def _key(l):
     # Monotone map fp32 -> int32: a < b  <=>  key(a) < key(b) (for non-NaN a, b).
     b = l.to(tl.int32, bitcast=True)
     return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _gumbel(seed, group0, BLOCK_V: tl.constexpr):
+    # Gumbel noise [rows, BLOCK_V] for BLOCK_V consecutive tokens whose first token is word 0 of
+    # Philox counter group0 (per row): token j of the tile takes word j % 4 of the call for
+    # counter group0 + j // 4. Philox is the costly part of a draw, so all four words are used.
+    g = group0[:, None] + tl.arange(0, BLOCK_V // 4)[None, :]
+    r0, r1, r2, r3 = tl.randint4x(seed[:, None], g)
+    # join twice -> [rows, BLOCK_V // 4, 2, 2] holding (r0, r1, r2, r3) in row-major order
+    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [group0.shape[0], BLOCK_V])
+    u = tl.uint_to_uniform_float(r)
+    return -tl.log(-tl.log(tl.maximum(u, 1e-20)))
 
 
 @triton.jit
@@ -178,9 +192,8 @@ def _chunk_draw_kernel(logits_ptr, chunk_max_ptr, thr_ptr, chunk_best_ptr, chunk
         min_p = tl.where(greedy, 0.0, tl.load(min_p_ptr + rows, mask=valid, other=0.0))
         keep = keep & (tl.exp(l - m[:, None]) >= min_p[:, None])
     seed = tl.load(seed_ptr + rows, mask=valid, other=0)
-    counter = tl.load(offset_ptr + rows, mask=valid, other=0)[:, None] * vocab + v
-    u = tl.rand(seed[:, None], counter)
-    gumbel = -tl.log(-tl.log(tl.maximum(u, 1e-20)))
+    group0 = tl.load(offset_ptr + rows, mask=valid, other=0) * tl.cdiv(vocab, 4) + tl.program_id(1) * (BLOCK_V // 4)
+    gumbel = _gumbel(seed, group0, BLOCK_V)
     score = tl.where(keep, tl.where(greedy[:, None], l, l + gumbel), float("-inf"))
     at = rows * num_chunks + tl.program_id(1)
     tl.store(chunk_best_ptr + at, tl.max(score, 1), mask=valid)
@@ -269,7 +282,7 @@ def _row_sample_kernel(logits_ptr, out_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_
         t = tl.where(p_on, lo, t)
 
     seed = tl.load(seed_ptr + rows, mask=valid, other=0)
-    counter0 = tl.load(offset_ptr + rows, mask=valid, other=0) * vocab
+    group0 = tl.load(offset_ptr + rows, mask=valid, other=0) * tl.cdiv(vocab, 4)  # Philox counter of token 0
     best = tl.full([ROWS], float("-inf"), tl.float32)
     best_idx = tl.zeros([ROWS], tl.int64)
     for v0 in range(0, vocab, BLOCK_V):
@@ -280,8 +293,7 @@ def _row_sample_kernel(logits_ptr, out_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_
             keep = keep & (_key(l) >= t[:, None])
         if USE_MIN_P:
             keep = keep & (tl.exp(l - m[:, None]) >= min_p[:, None])
-        u = tl.rand(seed[:, None], counter0[:, None] + v)
-        gumbel = -tl.log(-tl.log(tl.maximum(u, 1e-20)))
+        gumbel = _gumbel(seed, group0 + v0 // 4, BLOCK_V)
         score = tl.where(keep, tl.where(greedy[:, None], l, l + gumbel), float("-inf"))
         blk_best = tl.max(score, 1)
         blk_idx = tl.argmax(score, 1, tie_break_left=True).to(tl.int64) + v0
@@ -390,7 +402,7 @@ def _sample_per_row(launch: _Launch, logits, temperature, top_k, top_p, min_p, s
     """One program per row (`_row_sample_kernel`); inputs already on the device."""
     _row_sample_kernel[launch.row_grid](logits, out, temperature, top_k, top_p, min_p, seeds, offsets, launch.n,
                                         launch.vocab, logits.stride(0), SAMPLING_EPS, ROWS=launch.rows,
-                                        BLOCK_V=min(triton.next_power_of_2(launch.vocab), 4096),
+                                        BLOCK_V=min(max(triton.next_power_of_2(launch.vocab), 4), 4096),
                                         USE_TOP_K=any_top_k, USE_TOP_P=any_top_p, USE_MIN_P=any_min_p, num_warps=8)
     return out
 

@@ -44,7 +44,13 @@ class LinearBase(nn.Module):
         _copy_checked(param, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        # One token (batch-1 decode) reads the weight once: on CUDA the Triton GEMV beats cuBLAS
+        # on every projection of Qwen3-8B at one row (benchmarks/gemv_bench.py). Else F.linear.
+        return gemv(x, self.weight, self.bias) if _one_row(x) else F.linear(x, self.weight, self.bias)
+
+
+def _one_row(x: torch.Tensor) -> bool:
+    return x.numel() == x.shape[-1]
 
 
 class ReplicatedLinear(LinearBase):
@@ -131,8 +137,6 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param, loaded.narrow(1, self.tp.rank * cols, cols), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One token (batch-1 decode) reads the weight once: on CUDA the Triton GEMV beats cuBLAS on
-        # these layers' shapes (o_proj, down_proj; benchmarks/gemv_bench.py). Elsewhere F.linear.
-        y = gemv(x, self.weight) if x.shape[0] == 1 else F.linear(x, self.weight)
+        y = gemv(x, self.weight) if _one_row(x) else F.linear(x, self.weight)  # as LinearBase.forward
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

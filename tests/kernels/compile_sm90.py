@@ -53,8 +53,8 @@ KERNELS = {
     "gemv._gemv_kernel[M=1]": (G._gemv_kernel, {
         "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": INT, "K": INT,
         "stride_xm": INT, "stride_wn": INT, "stride_ym": INT},
-        {"M": 1, "HAS_BIAS": False, "EVEN_K": True, "BLOCK_N": 4, "BLOCK_K": 1024, "VEC": 8, "NUM_STAGES": 1,
-         "PREFETCH": True, "PDL": True}, 4),
+        {"M": 1, "HAS_BIAS": False, "EVEN_K": True, "BLOCK_N": 1, "BLOCK_K": 4096, "VEC": 8, "NUM_STAGES": 1,
+         "PREFETCH": True, "PDL": True}, 8),
     # Qwen3-8B's attention: 32 q heads over 8 kv heads of 128, bf16 cache
     **{f"paged_attention._decode_kernel[DIRECT={direct}]": (A._decode_kernel, {
         "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "bt_ptr": I32, "seq_lens_ptr": I32,
@@ -76,7 +76,7 @@ KERNELS = {
                                   "num_kv_heads")},
         "eps": "fp32", "block_size": INT, "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
         {"NORM": True, "STORE_KV": True, "FP8": False, "HEAD_DIM": 128, "ROT_DIM": 128, "IS_NEOX": True,
-         "HALF": 64, "BLOCK_HALF": 64, "BLOCK_D": 128, "PDL": True}, 1),
+         "HALF": 64, "BLOCK_HALF": 64, "BLOCK_D": 128, "BLOCK_H": 8, "PDL": True}, 1),
 }
 
 

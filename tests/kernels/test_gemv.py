@@ -90,8 +90,10 @@ def test_gemv_config_rule():
             assert cfg.block_n in (1, 2, 4) and cfg.block_k & (cfg.block_k - 1) == 0
             assert cfg.block_n == 1 or -(-N // cfg.block_n) >= 4 * 132  # >= 4 programs per SM
             assert cfg.block_k >= 8 * 32 * cfg.num_warps or cfg.num_warps == 1  # warps along K
-    assert gemv_config(1, 4096, 4096, torch.float32).block_k == 512  # 2 KiB per row chunk
-    assert gemv_config(1, 4096, 4096) == GemvConfig(4, 1024, 4, 1)
+    assert gemv_config(1, 4096, 4096, torch.float32).block_k == 2048  # 8 KiB per row chunk
+    assert gemv_config(1, 4096, 4096) == GemvConfig(1, 4096, 8, 1)  # a whole row at once
+    assert gemv_config(1, 37, 100) == GemvConfig(1, 128, 1, 1)  # chunk capped at K's power of two
+    assert gemv_config(2, 4096, 4096) == GemvConfig(4, 512, 2, 3)
     assert gemv_config(4, 4096, 4096) == GemvConfig(4, 256, 1, 3)
 
 
