@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from metrale.kernels import pdl_args, pdl_wait, reference, tl, triton, use_triton
-from metrale.kernels.rotary import rotary_pair_offsets
+from metrale.kernels.rotary import rotary_pair_offsets, rotate_pair
 
 
 @triton.jit
@@ -62,8 +62,8 @@ def _norm_rope_heads(x_ptr, w_ptr, rows, h_ok, kv_ptr, kv_rows, inv_scale, store
     else:  # rotary alone (rotary.py's numerics)
         y, y1, y2 = x.to(dtype), x1, x2
     # rotary.py's math on the rounded norm output: fp32, one rounding per element
-    r1 = (y1 * cos[None, :] - y2 * sin[None, :]).to(dtype)
-    r2 = (y2 * cos[None, :] + y1 * sin[None, :]).to(dtype)
+    r1, r2 = rotate_pair(y1, y2, cos[None, :], sin[None, :])
+    r1, r2 = r1.to(dtype), r2.to(dtype)
     tail = in_head & (d >= ROT_DIM)  # partial rotary: the tail is only normed
     if NORM:
         tl.store(base + d, y, mask=tail)

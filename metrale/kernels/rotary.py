@@ -25,6 +25,13 @@ def rotary_pair_offsets(i, IS_NEOX: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
+def rotate_pair(x1, x2, cos, sin):
+    """The rotation of pairs (x1, x2) in fp32, shared by every kernel that applies RoPE so that
+    all of them compile it alike (the same FMA contraction, so the same bits)."""
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
 def _rotate_heads(x_ptr, stride_t, stride_h, num_heads, t, cos, sin, i,
                   IS_NEOX: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     # Rotates all heads of token t; i: pair index [1, BLOCK_HALF] (masked by HALF).
@@ -34,8 +41,9 @@ def _rotate_heads(x_ptr, stride_t, stride_h, num_heads, t, cos, sin, i,
     base = x_ptr + t * stride_t + h * stride_h
     x1 = tl.load(base + i1, mask=mask).to(tl.float32)
     x2 = tl.load(base + i2, mask=mask).to(tl.float32)
-    tl.store(base + i1, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(base + i2, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    r1, r2 = rotate_pair(x1, x2, cos, sin)
+    tl.store(base + i1, r1.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + i2, r2.to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

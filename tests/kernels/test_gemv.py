@@ -121,3 +121,80 @@ def test_gemv_gpu(N, K, M):
                                        dict(block_n=32, block_k=2048, num_warps=8, num_stages=1)])
 def test_gemv_gpu_configs_bias(dtype, overrides):
     _check("cuda", dtype, 3, 4100, 4104, True, **overrides)  # N, K tails at real sizes
+
+
+# ----------------------------------------------------------------------------- fused prologue/epilogues
+
+
+def _fused_case(device, dtype, N, K, bias, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, K, generator=g).to(dtype=dtype, device=device)
+    w = (torch.randn(2 * N, K, generator=g) / K ** 0.5).to(dtype=dtype, device=device)
+    b = torch.randn(2 * N, generator=g).to(dtype=dtype, device=device) if bias else None
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype=dtype, device=device)
+    r = torch.randn(1, N, generator=g).to(dtype=dtype, device=device)
+    return x, w, b, nw, r
+
+
+def _separate_kernels(x, w, b, nw, r, norm, glu, residual, **overrides):
+    """The same computation by the separate Triton kernels: rms_norm, the GEMV, silu_and_mul,
+    then torch's add (rounded to nearest, which the CPU interpreter's casts are not: see TOL)."""
+    from metrale.kernels.activation import silu_and_mul_triton
+    from metrale.kernels.rms_norm import rms_norm_triton
+
+    if norm:
+        x = rms_norm_triton(x, nw, 1e-6)
+    y = gemv_triton(x, w, b, **overrides)
+    if glu:
+        y = silu_and_mul_triton(y)
+    else:
+        r = r.repeat(1, 2)
+    return y + r if residual else y
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm,glu,residual", [(True, False, False), (False, False, True), (False, True, False),
+                                               (True, True, True)])
+@pytest.mark.parametrize("K,block_k,bias", [(100, 64, True), (512, 128, False)])  # a tail chunk; several chunks
+def test_gemv_fusions_match_the_separate_kernels(device, dtype, norm, glu, residual, K, block_k, bias):
+    x, w, b, nw, r = _fused_case(device, dtype, 37, K, bias)
+    res = (r if glu else r.repeat(1, 2)) if residual else None
+    got = gemv_triton(x, w, b, norm=(nw, 1e-6) if norm else None, glu=glu, residual=res, block_k=block_k)
+    want = _separate_kernels(x, w, b, nw, r, norm, glu, residual, block_k=block_k)
+    assert got.shape == want.shape == (1, 37 if glu else 74)
+    if (dtype == torch.bfloat16 and device == "cpu") or norm:
+        # one rounding step apart at most: the interpreter's bf16 casts truncate (see TOL), and
+        # the norm's mean square is summed in another order than rms_norm's (rstd's last bit)
+        step = {torch.float32: 1e-6, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[dtype]
+        torch.testing.assert_close(got, want, rtol=step, atol=step)
+    else:  # the same roundings in the same order: bit-identical
+        assert torch.equal(got, want)
+
+
+def test_gemv_fusions_dispatch_and_fall_back(device):
+    x, w, b, nw, r = _fused_case(device, torch.float32, 37, 100, True)
+    fused = gemv(x, w, b, norm=(nw, 1e-6), glu=True, residual=r)
+    torch.testing.assert_close(fused, _separate_kernels(x, w, b, nw, r, True, True, True), rtol=1e-6, atol=1e-6)
+    x2 = torch.cat([x, x])  # two rows: the fusions are spelled out with the separate kernels
+    got = gemv(x2, w, b, norm=(nw, 1e-6), glu=True, residual=torch.cat([r, r]))
+    torch.testing.assert_close(got, torch.cat([fused, fused]), rtol=1e-6, atol=1e-6)
+    with pytest.raises(AssertionError, match="one row"):
+        gemv_triton(x2, w, b, glu=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,N,K", [("qkv", 6144, 4096), ("gate_up", 12288, 4096), ("down", 4096, 12288)])
+def test_gemv_fusions_gpu_8b_shapes(name, N, K):
+    # Qwen3-8B's batch-1 projections with what the layer fuses into each: on the GPU every cast
+    # rounds to nearest, so the fused kernel equals the separate kernels (the norm's fp32 sum
+    # order aside: a last-bit difference in rstd can move an output by one bf16 step).
+    glu, norm, residual = name == "gate_up", name != "down", name == "down"
+    x, w, _, nw, r = _fused_case("cuda", torch.bfloat16, N if glu else N // 2, K, False)
+    if not glu:
+        w = w[:N].contiguous()
+        r = r.repeat(1, 2)[:, :N].contiguous() if residual else r
+    res = r if residual else None
+    got = gemv_triton(x, w, norm=(nw, 1e-6) if norm else None, glu=glu, residual=res)
+    want = _separate_kernels(x, w, None, nw, r if glu else r[:, : N // 2], norm, glu, residual)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7)
+    assert (got != want).float().mean() < 0.01

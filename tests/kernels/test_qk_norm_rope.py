@@ -113,10 +113,14 @@ def _check_store(device, dtype, cache_dtype, norm, is_neox, head_dim=64, rotary_
 
     rope_store_kv_triton(positions, q, k, v, cache, rotary_dim, is_neox, qk_norm=qk_norm,
                          kv_cache=(k_cache, v_cache), slot_mapping=slots, k_scale=scales[0], v_scale=scales[1])
-    assert torch.equal(q, q2) and torch.equal(k, k2)
-    # fp8 has no torch.equal on some builds: compare the bytes
-    assert torch.equal(k_cache.view(torch.uint8), k_two.view(torch.uint8))
-    assert torch.equal(v_cache.view(torch.uint8), v_two.view(torch.uint8))
+    exact = dict(rtol=0, atol=0)  # assert_close rather than equal: a failure names where and by how much
+    torch.testing.assert_close(q, q2, **exact, msg=lambda m: f"q: {m}")
+    torch.testing.assert_close(k, k2, **exact, msg=lambda m: f"k: {m}")
+    # fp8 has no comparison ops on some builds: compare the bytes
+    torch.testing.assert_close(k_cache.view(torch.uint8), k_two.view(torch.uint8), **exact,
+                               msg=lambda m: f"k cache: {m}")
+    torch.testing.assert_close(v_cache.view(torch.uint8), v_two.view(torch.uint8), **exact,
+                               msg=lambda m: f"v cache: {m}")
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots[slots >= 0].cpu()] = False
     assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim)[untouched.to(device)].view(torch.uint8),
