@@ -97,9 +97,11 @@ def gemv_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> 
 
 
 @triton.jit
-def _x_chunk(x_ptrs, kmask, MASKED: tl.constexpr, nw_ptrs, rstd, NORM: tl.constexpr):
+def _x_chunk(x_ptrs, kmask, MASKED: tl.constexpr, nw_ptrs, rstd, K, eps, NORM: tl.constexpr,
+             ONE_CHUNK: tl.constexpr):
     # One chunk of a row of x in fp32; with NORM, RMSNorm's output there with rms_norm.py's
-    # rounding: normalise, round to the model dtype, times the norm weight, round again.
+    # rounding: normalise, round to the model dtype, times the norm weight, round again. With
+    # ONE_CHUNK the chunk is the whole row and its rstd is found here (no first pass over x).
     if MASKED:
         x = tl.load(x_ptrs, mask=kmask, other=0.0)
     else:
@@ -111,25 +113,28 @@ def _x_chunk(x_ptrs, kmask, MASKED: tl.constexpr, nw_ptrs, rstd, NORM: tl.conste
             nw = tl.load(nw_ptrs, mask=kmask, other=0.0)
         else:
             nw = tl.load(nw_ptrs)
+        if ONE_CHUNK:
+            rstd = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / K + eps)
         x = (nw.to(tl.float32) * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     return x
 
 
 @triton.jit
-def _gemv_rows(acc0, acc1, acc2, acc3, w, w_up, x_ptrs, stride_xm, kmask, nw_ptrs, rstd,
-               M: tl.constexpr, MASKED: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr):
+def _gemv_rows(acc0, acc1, acc2, acc3, w, w_up, x_ptrs, stride_xm, kmask, nw_ptrs, rstd, K, eps,
+               M: tl.constexpr, MASKED: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
+               ONE_CHUNK: tl.constexpr):
     # Loaded weight tile(s) against every row of x: acc [BLOCK_N, BLOCK_K // VEC] += the sum over
     # the thread-local VEC axis of w * x. With GLU (one row of x) acc1 takes the up rows' tile.
-    x = _x_chunk(x_ptrs, kmask, MASKED, nw_ptrs, rstd, NORM)[None, :, :]
+    x = _x_chunk(x_ptrs, kmask, MASKED, nw_ptrs, rstd, K, eps, NORM, ONE_CHUNK)[None, :, :]
     acc0 += tl.sum(w * x, axis=2)
     if GLU:
         acc1 += tl.sum(w_up * x, axis=2)
     if M > 1:
-        acc1 += tl.sum(w * _x_chunk(x_ptrs + stride_xm, kmask, MASKED, nw_ptrs, rstd, False)[None, :, :], axis=2)
+        acc1 += tl.sum(w * _x_chunk(x_ptrs + stride_xm, kmask, MASKED, nw_ptrs, rstd, K, eps, False, False)[None, :, :], axis=2)
     if M > 2:
-        acc2 += tl.sum(w * _x_chunk(x_ptrs + 2 * stride_xm, kmask, MASKED, nw_ptrs, rstd, False)[None, :, :], axis=2)
+        acc2 += tl.sum(w * _x_chunk(x_ptrs + 2 * stride_xm, kmask, MASKED, nw_ptrs, rstd, K, eps, False, False)[None, :, :], axis=2)
     if M > 3:
-        acc3 += tl.sum(w * _x_chunk(x_ptrs + 3 * stride_xm, kmask, MASKED, nw_ptrs, rstd, False)[None, :, :], axis=2)
+        acc3 += tl.sum(w * _x_chunk(x_ptrs + 3 * stride_xm, kmask, MASKED, nw_ptrs, rstd, K, eps, False, False)[None, :, :], axis=2)
     return acc0, acc1, acc2, acc3
 
 
@@ -141,15 +146,17 @@ def _load_w(w_ptrs, kmask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _gemv_chunk(acc0, acc1, acc2, acc3, w_ptrs, up_off, x_ptrs, stride_xm, kmask, nw_ptrs, rstd,
-                M: tl.constexpr, MASKED: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr):
+def _gemv_chunk(acc0, acc1, acc2, acc3, w_ptrs, up_off, x_ptrs, stride_xm, kmask, nw_ptrs, rstd, K, eps,
+                M: tl.constexpr, MASKED: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
+                ONE_CHUNK: tl.constexpr):
     # One BLOCK_K chunk: one read of the weight tile (and of the up rows' with GLU), reused by
     # every row of x.
     w = _load_w(w_ptrs, kmask, MASKED)
     w_up = w
     if GLU:
         w_up = _load_w(w_ptrs + up_off, kmask, MASKED)
-    return _gemv_rows(acc0, acc1, acc2, acc3, w, w_up, x_ptrs, stride_xm, kmask, nw_ptrs, rstd, M, MASKED, NORM, GLU)
+    return _gemv_rows(acc0, acc1, acc2, acc3, w, w_up, x_ptrs, stride_xm, kmask, nw_ptrs, rstd, K, eps,
+                      M, MASKED, NORM, GLU, ONE_CHUNK)
 
 
 @triton.jit
@@ -178,11 +185,12 @@ def _gemv_kernel(
     N, K, stride_xm, stride_wn, stride_ym, eps,
     M: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREFETCH: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
+    ONE_CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N),). Program owns output columns n0..n0+BLOCK_N of every row of y.
-    # Fusions (M == 1 only): NORM reads x as RMSNorm(x) * nw (eps; the row's rstd from a first
-    # pass over x), GLU makes N the width of the gate half of a [2N, K] weight and stores
+    # Fusions (M == 1 only): NORM reads x as RMSNorm(x) * nw (eps; the row's rstd from the chunk
+    # when K fits one (ONE_CHUNK), else from a first pass over x: one more dependent round trip), GLU makes N the width of the gate half of a [2N, K] weight and stores
     # silu(gate) * up (activation.py's rounding), RESIDUAL adds r (a row of N) to the output.
     # With PDL the first weight chunk is loaded BEFORE waiting for the previous kernel (no
     # kernel writes weights), so the program streams from HBM while that kernel drains; x,
@@ -210,7 +218,7 @@ def _gemv_kernel(
             w_up_first = tl.load(w_ptrs + up_off).to(tl.float32)
     pdl_wait(PDL)
     rstd = 0.0
-    if NORM:  # the row's mean square, summed in fp32 over chunks
+    if NORM and not ONE_CHUNK:  # the row's mean square, summed in fp32 over chunks
         sq = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             xk = tl.load(x_ptrs + k0, mask=(k0 + kk) < K, other=0.0).to(tl.float32)
@@ -218,15 +226,16 @@ def _gemv_kernel(
         rstd = tl.rsqrt(tl.sum(tl.sum(sq, axis=1), axis=0) / K + eps)
     if PREFETCH:
         acc0, acc1, acc2, acc3 = _gemv_rows(acc0, acc1, acc2, acc3, w_first, w_up_first, x_ptrs, stride_xm, None,
-                                            nw_ptrs, rstd, M, False, NORM, GLU)
+                                            nw_ptrs, rstd, K, eps, M, False, NORM, GLU, ONE_CHUNK)
         k_start = BLOCK_K
     for k0 in tl.range(k_start, k_full, BLOCK_K, num_stages=NUM_STAGES):
         acc0, acc1, acc2, acc3 = _gemv_chunk(acc0, acc1, acc2, acc3, w_ptrs + k0, up_off, x_ptrs + k0, stride_xm,
-                                             None, nw_ptrs + k0, rstd, M, False, NORM, GLU)
+                                             None, nw_ptrs + k0, rstd, K, eps, M, False, NORM, GLU, ONE_CHUNK)
     if not EVEN_K:  # the partial last chunk
         kmask = (k_full + kk) < K
         acc0, acc1, acc2, acc3 = _gemv_chunk(acc0, acc1, acc2, acc3, w_ptrs + k_full, up_off, x_ptrs + k_full,
-                                             stride_xm, kmask, nw_ptrs + k_full, rstd, M, True, NORM, GLU)
+                                             stride_xm, kmask, nw_ptrs + k_full, rstd, K, eps, M, True, NORM, GLU,
+                                             ONE_CHUNK)
 
     b_ptrs = b_ptr + offs_n
     y_ptrs = y_ptr + offs_n
@@ -309,6 +318,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         M=M, HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=vec, NUM_STAGES=cfg.num_stages,
         PREFETCH=pdl["PDL"] and K >= cfg.block_k, NORM=norm is not None, GLU=glu, RESIDUAL=residual is not None,
+        ONE_CHUNK=K <= cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     return y

@@ -6,6 +6,8 @@ get_rope from the config). Qwen3 (qwen3.py) adds per-head RMSNorm on Q and K.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -18,6 +20,11 @@ from metrale.layers.linear import MergedColumnParallelLinear, QKVParallelLinear,
 from metrale.layers.norm import RMSNorm
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+
+
+# LlamaDecoderLayer.forward_one_token on (the default) or off: MET_FUSED_DECODE_LAYERS=0 runs batch-1
+# decode through the separate kernels, for A/B measurements (benchmarks/run_gpu_suite.sh).
+FUSED_DECODE_LAYERS = os.environ.get("MET_FUSED_DECODE_LAYERS", "1") != "0"
 
 
 class LlamaMLP(nn.Module):
@@ -104,7 +111,7 @@ class LlamaDecoderLayer(nn.Module):
     @staticmethod
     def fuses_one_token(hidden: torch.Tensor) -> bool:
         """Batch-1 decode on the Triton path and one GPU: forward_one_token."""
-        return one_row(hidden) and use_triton(hidden) and get_tp_group().size == 1
+        return FUSED_DECODE_LAYERS and one_row(hidden) and use_triton(hidden) and get_tp_group().size == 1
 
     def forward_one_token(self, positions, hidden, residual):
         """forward for one token with 3 launches fewer: each RMSNorm runs inside the GEMV that

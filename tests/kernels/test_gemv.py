@@ -155,7 +155,9 @@ def _separate_kernels(x, w, b, nw, r, norm, glu, residual, **overrides):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm,glu,residual", [(True, False, False), (False, False, True), (False, True, False),
                                                (True, True, True)])
-@pytest.mark.parametrize("K,block_k,bias", [(100, 64, True), (512, 128, False)])  # a tail chunk; several chunks
+# chunks + a tail, several whole chunks (a first pass for the norm); one partial chunk, one whole
+# chunk (the norm's rstd from the chunk itself)
+@pytest.mark.parametrize("K,block_k,bias", [(100, 64, True), (512, 128, False), (100, 128, False), (256, 256, True)])
 def test_gemv_fusions_match_the_separate_kernels(device, dtype, norm, glu, residual, K, block_k, bias):
     x, w, b, nw, r = _fused_case(device, dtype, 37, K, bias)
     res = (r if glu else r.repeat(1, 2)) if residual else None
