@@ -51,8 +51,6 @@ def parse_args(argv=None):
     p.add_argument("--replays", type=int, default=30, help="timed graph replays (the median is kept)")
     p.add_argument("--max-configs", type=int, default=16, help="configs tried per shape, default included")
     p.add_argument("--default-only", action="store_true", help="time only cuBLAS and the default config")
-    p.add_argument("--fusions", action="store_true",
-                   help="instead: the batch-1 layer's fused GEMVs against the separate kernels they replace")
     p.add_argument("--compile-workers", type=int, default=8,
                    help="processes that compile the Triton variants ahead of timing (0: compile inline)")
     args = p.parse_args(argv)
@@ -197,46 +195,6 @@ def fmt_cfg(c):
     return f"block_n={c.block_n} block_k={c.block_k} num_warps={c.num_warps} num_stages={c.num_stages}"
 
 
-def bench_fusions(args, gemv_mod):
-    """Qwen3-8B's batch-1 layer, one GEMV at a time: what LlamaDecoderLayer.forward_one_token
-    launches (norm, SiLU-and-mul and residual add inside the GEMV) against the separate kernels
-    (rms_norm, then the plain GEMV; the GEMV, then silu_and_mul; the GEMV, then the add)."""
-    from metrale.kernels.activation import silu_and_mul_triton
-    from metrale.kernels.rms_norm import rms_norm_triton
-
-    dtype, elem = DTYPES[args.dtype], torch.empty((), dtype=DTYPES[args.dtype]).element_size()
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
-    bw = copy_bandwidth()
-    print(f"# {torch.cuda.get_device_name(0)}; copy bandwidth {bw / 1e12:.2f} TB/s; {args.dtype}; one row; "
-          f"median of {args.replays} replays of {args.calls} calls\n")
-    print("| layer | N x K | fused us | separate kernels us | fused %BW |\n|---|---|---:|---:|---:|")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for name, N, K, norm, glu, residual in [("qkv + input norm", 6144, 4096, True, False, False),
-                                            ("gate_up + post-attention norm + SiLU", 24576, 4096, True, True, False),
-                                            ("o_proj + residual", 4096, 4096, False, False, True),
-                                            ("down + residual", 4096, 12288, False, False, True)]:
-        copies = min(args.calls, max(1, math.ceil(4 * l2 / (N * K * elem))))
-        weights = [(torch.randn(N, K, device="cuda", generator=gen) / K ** 0.5).to(dtype) for _ in range(copies)]
-        x = torch.randn(1, K, device="cuda", generator=gen).to(dtype)
-        nw = torch.ones(K, device="cuda", dtype=dtype)
-        r = torch.randn(1, N // 2 if glu else N, device="cuda", generator=gen).to(dtype)
-        kw = dict(norm=(nw, 1e-6) if norm else None, glu=glu, residual=r if residual else None)
-
-        def fused(i):
-            return gemv_mod.gemv_triton(x, weights[i % copies], **kw)
-
-        def separate(i):
-            xi = rms_norm_triton(x, nw, 1e-6) if norm else x
-            y = gemv_mod.gemv_triton(xi, weights[i % copies])
-            y = silu_and_mul_triton(y) if glu else y
-            return y + r if residual else y
-
-        t_fused = time_graph(fused, args.calls, args.replays)
-        t_sep = time_graph(separate, args.calls, args.replays)
-        print(f"| {name} | {N} x {K} | {t_fused:.2f} | {t_sep:.2f} | {N * K * elem / t_fused / 1e6 / bw * 1e12:.0%} |")
-    return 0
-
-
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -249,8 +207,6 @@ def main(argv=None):
         print("gemv_bench.py needs triton (not importable); nothing measured.", file=sys.stderr)
         return 1
 
-    if args.fusions:
-        return bench_fusions(args, gemv_mod)
     t_start = time.time()
     dtype = DTYPES[args.dtype]
     elem = torch.empty((), dtype=dtype).element_size()

@@ -24,8 +24,7 @@ echo "${MET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" 
 if [ "$QUICK" = "focused" ]; then
   # The GPU tests of the decode path (or $FOCUSED_TESTS), then the headline benchmarks (batch-1
   # latency with and without programmatic dependent launch), transformers, summary.md (or the
-  # steps in $FOCUSED_STEPS, among those below: latency_unfused is batch 1 without the fused
-  # decode layers, gemv_fusions the fused GEMVs against the separate kernels); all logs packed into $OUT/results.tgz (the
+  # steps in $FOCUSED_STEPS, among those below); all logs packed into $OUT/results.tgz (the
   # device tool returns at most 8 files).
   if [ -z "${FOCUSED_DIR:-}" ]; then  # the outer call: the steps under a deadline, then the pack
     export FOCUSED_DIR=$(mktemp -d)
@@ -50,11 +49,6 @@ if [ "$QUICK" = "focused" ]; then
       latency_no_pdl) timeout 100 $BENCH latency $LAT --no-programmatic-launch \
                --output-json "$W/latency_qwen3_8b_no_pdl.json" > "$W/latency_no_pdl.log" 2>&1
                tail -3 "$W/latency_no_pdl.log" ;;
-      latency_unfused) MET_FUSED_DECODE_LAYERS=0 timeout 100 $BENCH latency $LAT \
-               --output-json "$W/latency_qwen3_8b_unfused.json" > "$W/latency_unfused.log" 2>&1
-               tail -3 "$W/latency_unfused.log" ;;
-      gemv_fusions) timeout 60 python3 benchmarks/gemv_bench.py --fusions > "$W/gemv_fusions.md" 2>&1
-               cat "$W/gemv_fusions.md" ;;
       throughput) timeout 100 $BENCH throughput $THR --output-json "$W/throughput_qwen3_0_6b_async.json" \
                > "$W/throughput.log" 2>&1; tail -4 "$W/throughput.log" ;;
       timeline) timeout 100 python3 benchmarks/step_timeline.py --model Qwen3-0.6B --output-json "$W/timeline.json" \

@@ -97,101 +97,56 @@ def gemv_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> 
 
 
 @triton.jit
-def _x_chunk(x_ptrs, kmask, MASKED: tl.constexpr, nw_ptrs, rstd, K, eps, NORM: tl.constexpr,
-             ONE_CHUNK: tl.constexpr):
-    # One chunk of a row of x in fp32; with NORM, RMSNorm's output there with rms_norm.py's
-    # rounding: normalise, round to the model dtype, times the norm weight, round again. With
-    # ONE_CHUNK the chunk is the whole row and its rstd is found here (no first pass over x).
+def _gemv_acc(acc, w, x_ptrs, kmask, MASKED: tl.constexpr):
+    # acc [BLOCK_N, BLOCK_K // VEC] += sum over the thread-local VEC axis of w * x.
     if MASKED:
         x = tl.load(x_ptrs, mask=kmask, other=0.0)
     else:
         x = tl.load(x_ptrs)
-    x = x.to(tl.float32)
-    if NORM:
-        dtype = x_ptrs.dtype.element_ty
-        if MASKED:
-            nw = tl.load(nw_ptrs, mask=kmask, other=0.0)
-        else:
-            nw = tl.load(nw_ptrs)
-        if ONE_CHUNK:
-            rstd = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / K + eps)
-        x = (nw.to(tl.float32) * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    return x
+    return acc + tl.sum(w * x.to(tl.float32)[None, :, :], axis=2)
 
 
 @triton.jit
-def _gemv_rows(acc0, acc1, acc2, acc3, w, w_up, x_ptrs, stride_xm, kmask, nw_ptrs, rstd, K, eps,
-               M: tl.constexpr, MASKED: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
-               ONE_CHUNK: tl.constexpr):
-    # Loaded weight tile(s) against every row of x: acc [BLOCK_N, BLOCK_K // VEC] += the sum over
-    # the thread-local VEC axis of w * x. With GLU (one row of x) acc1 takes the up rows' tile.
-    x = _x_chunk(x_ptrs, kmask, MASKED, nw_ptrs, rstd, K, eps, NORM, ONE_CHUNK)[None, :, :]
-    acc0 += tl.sum(w * x, axis=2)
-    if GLU:
-        acc1 += tl.sum(w_up * x, axis=2)
+def _gemv_chunk(acc0, acc1, acc2, acc3, w_ptrs, x_ptrs, stride_xm, kmask,
+                M: tl.constexpr, MASKED: tl.constexpr):
+    # One BLOCK_K chunk: one read of the weight tile, reused by every row of x.
+    if MASKED:
+        w = tl.load(w_ptrs, mask=kmask[None, :, :], other=0.0).to(tl.float32)
+    else:
+        w = tl.load(w_ptrs).to(tl.float32)
+    return _gemv_rows(acc0, acc1, acc2, acc3, w, x_ptrs, stride_xm, kmask, M, MASKED)
+
+
+@triton.jit
+def _gemv_rows(acc0, acc1, acc2, acc3, w, x_ptrs, stride_xm, kmask, M: tl.constexpr, MASKED: tl.constexpr):
+    # A loaded weight tile against every row of x.
+    acc0 = _gemv_acc(acc0, w, x_ptrs, kmask, MASKED)
     if M > 1:
-        acc1 += tl.sum(w * _x_chunk(x_ptrs + stride_xm, kmask, MASKED, nw_ptrs, rstd, K, eps, False, False)[None, :, :], axis=2)
+        acc1 = _gemv_acc(acc1, w, x_ptrs + stride_xm, kmask, MASKED)
     if M > 2:
-        acc2 += tl.sum(w * _x_chunk(x_ptrs + 2 * stride_xm, kmask, MASKED, nw_ptrs, rstd, K, eps, False, False)[None, :, :], axis=2)
+        acc2 = _gemv_acc(acc2, w, x_ptrs + 2 * stride_xm, kmask, MASKED)
     if M > 3:
-        acc3 += tl.sum(w * _x_chunk(x_ptrs + 3 * stride_xm, kmask, MASKED, nw_ptrs, rstd, K, eps, False, False)[None, :, :], axis=2)
+        acc3 = _gemv_acc(acc3, w, x_ptrs + 3 * stride_xm, kmask, MASKED)
     return acc0, acc1, acc2, acc3
 
 
 @triton.jit
-def _load_w(w_ptrs, kmask, MASKED: tl.constexpr):
-    if MASKED:
-        return tl.load(w_ptrs, mask=kmask[None, :, :], other=0.0).to(tl.float32)
-    return tl.load(w_ptrs).to(tl.float32)
-
-
-@triton.jit
-def _gemv_chunk(acc0, acc1, acc2, acc3, w_ptrs, up_off, x_ptrs, stride_xm, kmask, nw_ptrs, rstd, K, eps,
-                M: tl.constexpr, MASKED: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
-                ONE_CHUNK: tl.constexpr):
-    # One BLOCK_K chunk: one read of the weight tile (and of the up rows' with GLU), reused by
-    # every row of x.
-    w = _load_w(w_ptrs, kmask, MASKED)
-    w_up = w
-    if GLU:
-        w_up = _load_w(w_ptrs + up_off, kmask, MASKED)
-    return _gemv_rows(acc0, acc1, acc2, acc3, w, w_up, x_ptrs, stride_xm, kmask, nw_ptrs, rstd, K, eps,
-                      M, MASKED, NORM, GLU, ONE_CHUNK)
-
-
-@triton.jit
-def _gemv_out(acc, b_ptrs, nmask, HAS_BIAS: tl.constexpr):
-    # A row's outputs before rounding: the sum over K, plus the bias.
+def _gemv_store(acc, b, y_ptrs, nmask, HAS_BIAS: tl.constexpr):
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
-        y += tl.load(b_ptrs, mask=nmask, other=0.0).to(tl.float32)
-    return y
-
-
-@triton.jit
-def _gemv_store(y, y_ptrs, r_ptrs, nmask, RESIDUAL: tl.constexpr):
-    # Rounds y to the output dtype; with RESIDUAL, adds the residual row and rounds again (the
-    # model-dtype `hidden + residual` of a decoder layer).
-    out = y.to(y_ptrs.dtype.element_ty)
-    if RESIDUAL:
-        r = tl.load(r_ptrs, mask=nmask, other=0.0).to(tl.float32)
-        out = (out.to(tl.float32) + r).to(y_ptrs.dtype.element_ty)
-    tl.store(y_ptrs, out, mask=nmask)
+        y += b
+    tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, r_ptr,
-    N, K, stride_xm, stride_wn, stride_ym, eps,
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    N, K, stride_xm, stride_wn, stride_ym,
     M: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREFETCH: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
-    ONE_CHUNK: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N),). Program owns output columns n0..n0+BLOCK_N of every row of y.
-    # Fusions (M == 1 only): NORM reads x as RMSNorm(x) * nw (eps; the row's rstd from the chunk
-    # when K fits one (ONE_CHUNK), else from a first pass over x: one more dependent round trip), GLU makes N the width of the gate half of a [2N, K] weight and stores
-    # silu(gate) * up (activation.py's rounding), RESIDUAL adds r (a row of N) to the output.
     # With PDL the first weight chunk is loaded BEFORE waiting for the previous kernel (no
     # kernel writes weights), so the program streams from HBM while that kernel drains; x,
     # which the previous kernel produced, is read only after the wait.
@@ -201,9 +156,7 @@ def _gemv_kernel(
     # k offsets of one chunk as [BLOCK_K // VEC, VEC]: the last axis is one 16-byte vector per thread
     kk = tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     w_ptrs = w_ptr + rows[:, None, None] * stride_wn + kk[None, :, :]
-    up_off = N.to(tl.int64) * stride_wn  # GLU: the up row of gate row n is row N + n
     x_ptrs = x_ptr + kk
-    nw_ptrs = nw_ptr + kk
 
     acc0 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
@@ -213,60 +166,36 @@ def _gemv_kernel(
     k_start = 0
     if PREFETCH:  # PDL and at least one full chunk
         w_first = tl.load(w_ptrs).to(tl.float32)
-        w_up_first = w_first
-        if GLU:
-            w_up_first = tl.load(w_ptrs + up_off).to(tl.float32)
     pdl_wait(PDL)
-    rstd = 0.0
-    if NORM and not ONE_CHUNK:  # the row's mean square, summed in fp32 over chunks
-        sq = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xk = tl.load(x_ptrs + k0, mask=(k0 + kk) < K, other=0.0).to(tl.float32)
-            sq += xk * xk
-        rstd = tl.rsqrt(tl.sum(tl.sum(sq, axis=1), axis=0) / K + eps)
     if PREFETCH:
-        acc0, acc1, acc2, acc3 = _gemv_rows(acc0, acc1, acc2, acc3, w_first, w_up_first, x_ptrs, stride_xm, None,
-                                            nw_ptrs, rstd, K, eps, M, False, NORM, GLU, ONE_CHUNK)
+        acc0, acc1, acc2, acc3 = _gemv_rows(acc0, acc1, acc2, acc3, w_first, x_ptrs, stride_xm, None, M, False)
         k_start = BLOCK_K
     for k0 in tl.range(k_start, k_full, BLOCK_K, num_stages=NUM_STAGES):
-        acc0, acc1, acc2, acc3 = _gemv_chunk(acc0, acc1, acc2, acc3, w_ptrs + k0, up_off, x_ptrs + k0, stride_xm,
-                                             None, nw_ptrs + k0, rstd, K, eps, M, False, NORM, GLU, ONE_CHUNK)
+        acc0, acc1, acc2, acc3 = _gemv_chunk(acc0, acc1, acc2, acc3, w_ptrs + k0, x_ptrs + k0,
+                                             stride_xm, None, M, False)
     if not EVEN_K:  # the partial last chunk
         kmask = (k_full + kk) < K
-        acc0, acc1, acc2, acc3 = _gemv_chunk(acc0, acc1, acc2, acc3, w_ptrs + k_full, up_off, x_ptrs + k_full,
-                                             stride_xm, kmask, nw_ptrs + k_full, rstd, K, eps, M, True, NORM, GLU,
-                                             ONE_CHUNK)
+        acc0, acc1, acc2, acc3 = _gemv_chunk(acc0, acc1, acc2, acc3, w_ptrs + k_full, x_ptrs + k_full,
+                                             stride_xm, kmask, M, True)
 
-    b_ptrs = b_ptr + offs_n
+    b = 0.0
+    if HAS_BIAS:
+        b = tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
     y_ptrs = y_ptr + offs_n
-    r_ptrs = r_ptr + offs_n
-    if GLU:  # activation.py's rounding: gate and up in the model dtype, silu rounded, product rounded
-        dtype = y_ptr.dtype.element_ty
-        gate = _gemv_out(acc0, b_ptrs, nmask, HAS_BIAS).to(dtype).to(tl.float32)
-        up = _gemv_out(acc1, b_ptrs + N, nmask, HAS_BIAS).to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        _gemv_store(act * up, y_ptrs, r_ptrs, nmask, RESIDUAL)
-    else:
-        _gemv_store(_gemv_out(acc0, b_ptrs, nmask, HAS_BIAS), y_ptrs, r_ptrs, nmask, RESIDUAL)
+    _gemv_store(acc0, b, y_ptrs, nmask, HAS_BIAS)
     if M > 1:
-        _gemv_store(_gemv_out(acc1, b_ptrs, nmask, HAS_BIAS), y_ptrs + stride_ym, r_ptrs, nmask, False)
+        _gemv_store(acc1, b, y_ptrs + stride_ym, nmask, HAS_BIAS)
     if M > 2:
-        _gemv_store(_gemv_out(acc2, b_ptrs, nmask, HAS_BIAS), y_ptrs + 2 * stride_ym, r_ptrs, nmask, False)
+        _gemv_store(acc2, b, y_ptrs + 2 * stride_ym, nmask, HAS_BIAS)
     if M > 3:
-        _gemv_store(_gemv_out(acc3, b_ptrs, nmask, HAS_BIAS), y_ptrs + 3 * stride_ym, r_ptrs, nmask, False)
+        _gemv_store(acc3, b, y_ptrs + 3 * stride_ym, nmask, HAS_BIAS)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                norm: tuple[torch.Tensor, float] | None = None, glu: bool = False,
-                residual: torch.Tensor | None = None,
                 block_n: int | None = None, block_k: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """x [M, K] (M <= 4) @ weight[N, K].T (+ bias[N]) -> [M, N] in x's dtype, always via Triton.
 
-    Fusions, for one row of x only (each matches the separate kernel's rounding):
-      norm = (norm_weight [K], eps): x is replaced by rms_norm(x, norm_weight, eps) first;
-      glu: weight [2N', K] stacks gate over up and the result [M, N'] is silu(gate) * up;
-      residual [M, N] (N' with glu): added to the result, which is rounded before and after.
     The keyword overrides replace fields of `gemv_config(M, N, K, dtype)` (for benchmarks);
     block_n and block_k must be powers of two.
     """
@@ -278,29 +207,15 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     assert x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32), \
         (x.dtype, weight.dtype)
     assert weight.stride(1) == 1 and weight.stride(0) >= K, "weight rows must be contiguous"
-    fused = norm is not None or glu or residual is not None
-    assert M == 1 or not fused, "the fused prologue and epilogues take one row"
     if x.stride(1) != 1:
         x = x.contiguous()
     if bias is not None:
         assert bias.shape == (N,) and bias.dtype == x.dtype, (bias.shape, bias.dtype)
         bias = bias.contiguous()
-    if glu:
-        assert N % 2 == 0, "glu: the weight stacks gate and up rows"
-        N //= 2
-    if norm is not None:
-        norm_weight, eps = norm
-        assert norm_weight.shape == (K,) and norm_weight.dtype == x.dtype, (norm_weight.shape, norm_weight.dtype)
-        norm_weight = norm_weight.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if residual is not None:
-        assert residual.shape == (M, N) and residual.dtype == x.dtype, (residual.shape, residual.dtype)
-        residual = residual.contiguous()
     if M == 0 or N == 0:
         return y
     if K == 0:
-        if fused:  # nothing is worth a kernel here: the unfused definition
-            return _unfused(x, weight, bias, norm, glu, residual)
         return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
 
     cfg = gemv_config(M, N, K, x.dtype)
@@ -313,45 +228,20 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     pdl = pdl_args()
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, weight, bias if bias is not None else y, y,
-        norm_weight if norm is not None else y, residual if residual is not None else y,
-        N, K, x.stride(0), weight.stride(0), y.stride(0), eps if norm is not None else 0.0,
+        N, K, x.stride(0), weight.stride(0), y.stride(0),
         M=M, HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=vec, NUM_STAGES=cfg.num_stages,
-        PREFETCH=pdl["PDL"] and K >= cfg.block_k, NORM=norm is not None, GLU=glu, RESIDUAL=residual is not None,
-        ONE_CHUNK=K <= cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        PREFETCH=pdl["PDL"] and K >= cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     return y
 
 
-def _unfused(x, weight, bias, norm, glu, residual):
-    """gemv's fusions spelled out with the separate kernels (same definitions and rounding)."""
-    from metrale.kernels.activation import silu_and_mul
-    from metrale.kernels.rms_norm import rms_norm
-
-    if norm is not None:
-        x = rms_norm(x, *norm)
-    y = gemv(x, weight, bias)
-    if glu:
-        y = silu_and_mul(y)
-    return y if residual is None else y + residual
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         norm: tuple[torch.Tensor, float] | None = None, glu: bool = False,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., K], with gemv_triton's optional fusions (norm, glu,
-    residual): the Triton GEMV for CUDA tensors with at most 4 rows (and a contiguous-row
-    weight; one row when something is fused), torch.nn.functional.linear and the separate
-    kernels otherwise."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K]: the Triton GEMV for CUDA tensors with at most
+    4 rows (and a contiguous-row weight), torch.nn.functional.linear otherwise."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    fused = norm is not None or glu or residual is not None
-    if (use_triton(x) and 0 < rows <= (1 if fused else MAX_M) and weight.stride(-1) == 1 and x.dtype == weight.dtype
+    if (use_triton(x) and 0 < rows <= MAX_M and weight.stride(-1) == 1 and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
-        out = weight.shape[0] // 2 if glu else weight.shape[0]
-        r = residual.reshape(rows, out) if residual is not None else None
-        return gemv_triton(x.reshape(rows, K), weight, bias, norm=norm, glu=glu, residual=r).view(*x.shape[:-1], out)
-    if fused:
-        return _unfused(x, weight, bias, norm, glu, residual)
+        return gemv_triton(x.reshape(rows, K), weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from metrale.kernels import pdl_args, pdl_wait, reference, tl, triton, use_triton
-from metrale.kernels.rotary import rotary_pair_offsets, rotate_pair
+from metrale.kernels.rotary import NO_FMA, rotary_pair_offsets, rotate_pair
 
 
 @triton.jit
@@ -176,7 +176,7 @@ def rope_store_kv_triton(positions, q, k, v, cos_sin_cache, rotary_dim, is_neox,
             BLOCK_H=block_h,
             # one warp: lanes that hold the same element (tiny rotary dims) run the pair loads
             # before the stores in step
-            num_warps=1, **pdl_args(),
+            num_warps=1, **NO_FMA, **pdl_args(),
         )
     return q, k
 

@@ -24,10 +24,18 @@ def rotary_pair_offsets(i, IS_NEOX: tl.constexpr, HALF: tl.constexpr):
     return 2 * i, 2 * i + 1
 
 
+# Launch option of every kernel that rotates: no multiply-add contraction. The compiler fuses
+# `x1 * cos - x2 * sin` into an FMA one way or the other depending on the surrounding code, so
+# two kernels (or two variants of one) could round a rotation differently; seen on an H200 as
+# 1-ulp differences in ~10 of 1.2M elements between the attention prologue and the rotary
+# kernel. Without contraction each product is rounded, as in torch's reference.
+NO_FMA = {"enable_fp_fusion": False}
+
+
 @triton.jit
 def rotate_pair(x1, x2, cos, sin):
-    """The rotation of pairs (x1, x2) in fp32, shared by every kernel that applies RoPE so that
-    all of them compile it alike (the same FMA contraction, so the same bits)."""
+    """The rotation of pairs (x1, x2) in fp32, shared by every kernel that applies RoPE (each
+    launched with NO_FMA, so all round it alike)."""
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
@@ -78,7 +86,7 @@ def apply_rotary_triton(positions, q, k, cos_sin_cache, rotary_dim, is_neox):
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
             q.shape[1], k.shape[1],
             IS_NEOX=is_neox, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_HQ=triton.next_power_of_2(q.shape[1]), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+            BLOCK_HQ=triton.next_power_of_2(q.shape[1]), BLOCK_HK=triton.next_power_of_2(k.shape[1]), **NO_FMA,
         )
     return q, k
 

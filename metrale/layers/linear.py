@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.distributed.parallel_state import get_tp_group
-from metrale.kernels.activation import silu_and_mul
 from metrale.kernels.gemv import gemv
 
 
@@ -44,24 +43,14 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_checked(param, loaded, type(self).__name__)
 
-    def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
-        """x W^T (+ b); with `norm` (an RMSNorm), norm(x) W^T (+ b).
-
-        One token (batch-1 decode) reads the weight once: on CUDA the Triton GEMV beats cuBLAS
-        on every projection of Qwen3-8B at one row (benchmarks/gemv_bench.py), and applies the
-        norm itself as it reads x. Otherwise the norm module, then F.linear."""
-        if one_row(x):
-            return gemv(x, self.weight, self.bias, norm=_norm_args(norm))
-        return F.linear(x if norm is None else norm(x), self.weight, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # One token (batch-1 decode) reads the weight once: on CUDA the Triton GEMV beats cuBLAS
+        # on every projection of Qwen3-8B at one row (benchmarks/gemv_bench.py). Else F.linear.
+        return gemv(x, self.weight, self.bias) if _one_row(x) else F.linear(x, self.weight, self.bias)
 
 
-def one_row(x: torch.Tensor) -> bool:
-    """True for a single token (the layers' one-row GEMV path)."""
+def _one_row(x: torch.Tensor) -> bool:
     return x.numel() == x.shape[-1]
-
-
-def _norm_args(norm: nn.Module | None):
-    return None if norm is None else (norm.weight, norm.eps)
 
 
 class ReplicatedLinear(LinearBase):
@@ -93,14 +82,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(local[:shard_id])
         part = loaded.narrow(0, tp.rank * local[shard_id], local[shard_id])
         _copy_checked(param.data.narrow(0, offset, local[shard_id]), part, f"{type(self).__name__}[{shard_id}]")
-
-    def forward_glu(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
-        """silu(gate) * up for a stacked [gate; up] (SwiGLU), `norm` as in forward. One token on
-        the Triton path takes it from the GEMV's epilogue (no separate activation kernel)."""
-        assert len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1], self.output_sizes
-        if one_row(x):
-            return gemv(x, self.weight, self.bias, norm=_norm_args(norm), glu=True)
-        return silu_and_mul(self.forward(x, norm))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -155,14 +136,7 @@ class RowParallelLinear(LinearBase):
         cols = param.shape[1]
         _copy_checked(param, loaded.narrow(1, self.tp.rank * cols, cols), type(self).__name__)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T (+ b), summed over the ranks; with `residual`, residual + that (a decoder
-        layer's residual add, rounded as HF's `residual + hidden`). On one GPU a single token
-        gets the add from the GEMV's epilogue."""
-        one = one_row(x)
-        if one and residual is not None and self.tp.size == 1 and self.bias is None:
-            return gemv(x, self.weight, residual=residual)
-        y = gemv(x, self.weight) if one else F.linear(x, self.weight)  # as LinearBase.forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = gemv(x, self.weight) if _one_row(x) else F.linear(x, self.weight)  # as LinearBase.forward
         y = self.tp.all_reduce(y)
-        y = y if self.bias is None else y + self.bias
-        return y if residual is None else y + residual
+        return y if self.bias is None else y + self.bias

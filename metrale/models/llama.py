@@ -6,25 +6,16 @@ get_rope from the config). Qwen3 (qwen3.py) adds per-head RMSNorm on Q and K.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from metrale.config.model_config import ModelConfig
-from metrale.distributed.parallel_state import get_tp_group
-from metrale.kernels import use_triton
 from metrale.layers.activation import SiluAndMul
 from metrale.layers.attention import Attention
-from metrale.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, one_row
+from metrale.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from metrale.layers.norm import RMSNorm
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.layers.vocab import ParallelLMHead, VocabParallelEmbedding
-
-
-# LlamaDecoderLayer.forward_one_token on (the default) or off: MET_FUSED_DECODE_LAYERS=0 runs batch-1
-# decode through the separate kernels, for A/B measurements (benchmarks/run_gpu_suite.sh).
-FUSED_DECODE_LAYERS = os.environ.get("MET_FUSED_DECODE_LAYERS", "1") != "0"
 
 
 class LlamaMLP(nn.Module):
@@ -34,14 +25,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """down(silu(gate) * up) of x, or of norm(x) with `norm`; plus `residual` if given (the
-        decoder layer's add). The batch-1 layer path (LlamaDecoderLayer.forward_one_token) passes
-        both, so the GEMVs fold in the norm, the activation and the add."""
-        if norm is None and residual is None:
-            return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-        return self.down_proj(self.gate_up_proj.forward_glu(x, norm), residual=residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
@@ -69,21 +54,18 @@ class LlamaAttention(nn.Module):
         """transform_qk, then RoPE; a subclass may fuse the two (Qwen3)."""
         return self.rotary_emb(positions, *self.transform_qk(q, k))
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, norm: nn.Module | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention over hidden, or over norm(hidden) with `norm`; plus `residual` if given (as
-        LlamaMLP.forward's)."""
-        q, k, v = self.qkv_proj(hidden, norm).split([self.qkv_proj.q_size, self.qkv_proj.kv_size,
-                                                     self.qkv_proj.kv_size], dim=-1)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.qkv_proj.q_size, self.qkv_proj.kv_size,
+                                               self.qkv_proj.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.attn.can_fuse_prologue(q):  # norms, RoPE and the K/V write in one launch
             norms = self.per_head_qk_norms()
             if norms is None:
                 q, k = self.transform_qk(q, k)
-            return self.o_proj(self.attn.rope_and_attend(positions, q, k, v, self.rotary_emb, norms), residual)
+            return self.o_proj(self.attn.rope_and_attend(positions, q, k, v, self.rotary_emb, norms))
         q, k = self.rotate_qk(positions, q, k)
-        return self.o_proj(self.attn(q, k, v), residual)
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -96,10 +78,6 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
-        """(hidden, residual) -> (hidden, residual): the residual stream is their sum; a None
-        residual means hidden is the whole stream (after the embedding)."""
-        if self.fuses_one_token(hidden):
-            return self.forward_one_token(positions, hidden, residual)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -107,22 +85,6 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
-
-    @staticmethod
-    def fuses_one_token(hidden: torch.Tensor) -> bool:
-        """Batch-1 decode on the Triton path and one GPU: forward_one_token."""
-        return FUSED_DECODE_LAYERS and one_row(hidden) and use_triton(hidden) and get_tp_group().size == 1
-
-    def forward_one_token(self, positions, hidden, residual):
-        """forward for one token with 3 launches fewer: each RMSNorm runs inside the GEMV that
-        reads its output, the residual adds inside the GEMVs of o_proj and down_proj, SiLU-and-mul
-        inside gate_up's (a sparse MoE block takes the norm's output as usual). Returns the
-        stream as (stream, None) for a dense MLP, rounded where forward rounds."""
-        stream = hidden if residual is None else hidden + residual
-        stream = self.self_attn(positions, stream, norm=self.input_layernorm, residual=stream)
-        if isinstance(self.mlp, LlamaMLP):
-            return self.mlp(stream, norm=self.post_attention_layernorm, residual=stream), None
-        return self.mlp(self.post_attention_layernorm(stream)), stream
 
 
 class LlamaModel(nn.Module):
@@ -137,7 +99,8 @@ class LlamaModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
-        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 class LlamaForCausalLM(nn.Module):

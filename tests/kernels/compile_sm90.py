@@ -50,12 +50,11 @@ KERNELS = {
         "eps": "fp32"},
         {"ROWS": 1, "BLOCK_V": 4096, "USE_TOP_K": filters, "USE_TOP_P": filters, "USE_MIN_P": filters}, 8)
        for filters in (True, False)},
-    **{f"gemv._gemv_kernel[M=1, fused={fused}]": (G._gemv_kernel, {
-        "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "nw_ptr": "*bf16", "r_ptr": "*bf16",
-        "N": INT, "K": INT, "stride_xm": INT, "stride_wn": INT, "stride_ym": INT, "eps": "fp32"},
+    "gemv._gemv_kernel[M=1]": (G._gemv_kernel, {
+        "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": INT, "K": INT,
+        "stride_xm": INT, "stride_wn": INT, "stride_ym": INT},
         {"M": 1, "HAS_BIAS": False, "EVEN_K": True, "BLOCK_N": 1, "BLOCK_K": 4096, "VEC": 8, "NUM_STAGES": 1,
-         "PREFETCH": True, "NORM": fused, "GLU": fused, "RESIDUAL": fused, "ONE_CHUNK": True, "PDL": True}, 8)
-       for fused in (False, True)},
+         "PREFETCH": True, "PDL": True}, 8),
     # Qwen3-8B's attention: 32 q heads over 8 kv heads of 128, bf16 cache
     **{f"paged_attention._decode_kernel[DIRECT={direct}]": (A._decode_kernel, {
         "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "bt_ptr": I32, "seq_lens_ptr": I32,

@@ -61,30 +61,3 @@ def test_preemption_matches_transformers(family, checkpoint_factory, expected):
     assert tokens == expected(family)
     scheduler = llm.llm_engine.scheduler
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
-
-
-def generate_one_token_path(path, monkeypatch):
-    """generate() one sequence at a time with the batch-1 layer path forced on; asserts every
-    decode step took it."""
-    from metrale.layers.linear import one_row
-    from metrale.models.llama import LlamaDecoderLayer
-
-    taken = []
-
-    def fuses(hidden):
-        taken.append(one_row(hidden))
-        return taken[-1]
-
-    monkeypatch.setattr(LlamaDecoderLayer, "fuses_one_token", staticmethod(fuses))
-    _, tokens = generate(path, max_num_seqs=1)
-    assert sum(taken) > len(PROMPT_LENGTHS) * (NEW_TOKENS - 1)  # every decode step, in every layer
-    return tokens
-
-
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_one_token_layer_path_matches_transformers(family, checkpoint_factory, expected, monkeypatch):
-    """The batch-1 layer path (LlamaDecoderLayer.forward_one_token: on a GPU the norms, SiLU and
-    residual adds fold into the GEMVs) forced on for every one-token step on CPU, where the
-    GEMV spells its fusions out with the separate kernels; one sequence at a time, so every
-    decode step takes it."""
-    assert generate_one_token_path(checkpoint_factory(family), monkeypatch) == expected(family)

@@ -17,7 +17,7 @@ from checkpoints import load_reference, reference_greedy
 from metrale import LLM
 from metrale.config.model_config import ModelLoadError
 from moe_checkpoints import MOE_FAMILIES, make_moe_checkpoint
-from test_generation_vs_hf import NEW_TOKENS, generate, generate_one_token_path, make_prompts
+from test_generation_vs_hf import NEW_TOKENS, generate, make_prompts
 
 FAMILIES = sorted(MOE_FAMILIES)
 
@@ -51,12 +51,6 @@ def expected(moe_checkpoint):
 def test_batched_greedy_matches_transformers(family, moe_checkpoint, expected):
     _, tokens = generate(moe_checkpoint(family))
     assert tokens == expected(family)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_one_token_layer_path_matches_transformers(family, moe_checkpoint, expected, monkeypatch):
-    # the attention half of LlamaDecoderLayer.forward_one_token; the sparse block as usual
-    assert generate_one_token_path(moe_checkpoint(family), monkeypatch) == expected(family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
