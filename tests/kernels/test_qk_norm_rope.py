@@ -113,6 +113,21 @@ def _check_store(device, dtype, cache_dtype, norm, is_neox, head_dim=64, rotary_
 
     rope_store_kv_triton(positions, q, k, v, cache, rotary_dim, is_neox, qk_norm=qk_norm,
                          kv_cache=(k_cache, v_cache), slot_mapping=slots, k_scale=scales[0], v_scale=scales[1])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[slots >= 0].cpu()] = False
+    assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim)[untouched.to(device)].view(torch.uint8),
+                       poison.view(-1, num_kv_heads, head_dim)[untouched.to(device)].view(torch.uint8))
+    if norm and cache_dtype == torch.float8_e4m3fn and q.is_cuda:
+        # The fp8-storing variant compiles the head's mean square with another layout, so its sum
+        # (rstd's last bit) may differ from the variant without the store: on an H200, 8 of 1.2M
+        # q elements one bf16 step apart (the rotation of a near-cancelling pair). Rare and small.
+        for name, got, want in (("q", q, q2), ("k", k, k2)):
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -6,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+            assert (got != want).float().mean() < 1e-4, name
+        for name, got, want in (("k cache", k_cache, k_two), ("v cache", v_cache, v_two)):
+            assert (got.view(torch.uint8) != want.view(torch.uint8)).float().mean() < 1e-4, name
+        return
     exact = dict(rtol=0, atol=0)  # assert_close rather than equal: a failure names where and by how much
     torch.testing.assert_close(q, q2, **exact, msg=lambda m: f"q: {m}")
     torch.testing.assert_close(k, k2, **exact, msg=lambda m: f"k: {m}")
@@ -121,10 +136,6 @@ def _check_store(device, dtype, cache_dtype, norm, is_neox, head_dim=64, rotary_
                                msg=lambda m: f"k cache: {m}")
     torch.testing.assert_close(v_cache.view(torch.uint8), v_two.view(torch.uint8), **exact,
                                msg=lambda m: f"v cache: {m}")
-    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
-    untouched[slots[slots >= 0].cpu()] = False
-    assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim)[untouched.to(device)].view(torch.uint8),
-                       poison.view(-1, num_kv_heads, head_dim)[untouched.to(device)].view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
