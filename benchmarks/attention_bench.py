@@ -68,6 +68,25 @@ def _paged(n_seqs, lengths, num_kv_heads, head_dim, dtype, gen):
     return k, v, table.cuda()
 
 
+def _sweep(name, configs, make_fn, calls, replays, describe):
+    """{config: us per call} of make_fn(config)(i), each config's output checked against the
+    first's; a config that fails to compile or run is logged and skipped."""
+    ref, out = None, {}
+    for cfg in configs:
+        fn = make_fn(cfg)
+        try:
+            got = fn(0)
+            ref = got if ref is None else ref
+            torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+            us = time_graph(fn, calls, replays)
+        except Exception as e:
+            _log(f"  {name} {cfg}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+            continue
+        out[cfg] = us
+        _log(f"  {name} {cfg}: {describe(us)}")
+    return out
+
+
 def run_decode(name, heads, kv_heads, d, n_seqs, ctx, configs, dtype, bw, calls, replays):
     from metrale.kernels.paged_attention import decode_attention_triton
 
@@ -88,28 +107,17 @@ def run_decode(name, heads, kv_heads, d, n_seqs, ctx, configs, dtype, bw, calls,
         kv_bytes = 2 * sum(lengths) / n_alloc * kv_heads * d * dtype.itemsize
     else:
         kv_bytes = 2 * sum(lengths) * kv_heads * d * dtype.itemsize
-    ref = None
-    out = {}
-    for cfg in configs:
+
+    def make_fn(cfg):
         kernel_cfg, splits = (cfg[:3], cfg[3]) if cfg is not None and len(cfg) == 4 else (cfg, None)
         if batch1:
-            def fn(i, c=kernel_cfg, s=splits):
-                return decode_attention_triton(q[i:i + 1], k, v, table[i:i + 1], seq_lens[i:i + 1], scale,
-                                               num_kv_splits=s, config=c)
-        else:
-            def fn(i, c=kernel_cfg, s=splits):
-                return decode_attention_triton(q, k, v, table, seq_lens, scale, num_kv_splits=s, config=c)
-        try:
-            got = fn(0)
-            if ref is None:
-                ref = got
-            torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
-            us = time_graph(fn, calls, replays)
-        except Exception as e:
-            _log(f"  {name} {cfg}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
-            continue
-        out[cfg] = us
-        _log(f"  {name} {cfg}: {us:.2f} us, {kv_bytes / us / 1e6 / bw * 1e12:.1%} of copy bandwidth")
+            return lambda i: decode_attention_triton(q[i:i + 1], k, v, table[i:i + 1], seq_lens[i:i + 1], scale,
+                                                     num_kv_splits=splits, config=kernel_cfg)
+        return lambda i: decode_attention_triton(q, k, v, table, seq_lens, scale, num_kv_splits=splits,
+                                                 config=kernel_cfg)
+
+    out = _sweep(name, configs, make_fn, calls, replays,
+                 lambda us: f"{us:.2f} us, {kv_bytes / us / 1e6 / bw * 1e12:.1%} of copy bandwidth")
     return out, kv_bytes
 
 
@@ -123,22 +131,11 @@ def run_extend(name, heads, kv_heads, d, n_seqs, new_tokens, configs, dtype, cal
     cu = torch.tensor([0] + [new_tokens * (i + 1) for i in range(n_seqs)], dtype=torch.int32, device="cuda")
     q = torch.randn(n_seqs * new_tokens, heads, d, dtype=dtype, device="cuda")
     flops = 4 * heads * d * n_seqs * new_tokens * (new_tokens + 1) / 2  # QK^T and PV over the causal half
-    ref = None
-    out = {}
-    for cfg in configs:
-        def fn(i, c=cfg):
-            return extend_attention_triton(q, k, v, table, cu, seq_lens, new_tokens, d ** -0.5, config=c)
-        try:
-            got = fn(0)
-            if ref is None:
-                ref = got
-            torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
-            us = time_graph(fn, calls, replays)
-        except Exception as e:
-            _log(f"  {name} {cfg}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
-            continue
-        out[cfg] = us
-        _log(f"  {name} {cfg}: {us:.1f} us, {flops / us / 1e6:.1f} TFLOP/s")
+
+    def make_fn(cfg):
+        return lambda i: extend_attention_triton(q, k, v, table, cu, seq_lens, new_tokens, d ** -0.5, config=cfg)
+
+    out = _sweep(name, configs, make_fn, calls, replays, lambda us: f"{us:.1f} us, {flops / us / 1e6:.1f} TFLOP/s")
     return out, flops
 
 
