@@ -55,12 +55,12 @@ def check_extend(device, dtype, q_lens, prefix_lens, num_heads, num_kv_heads, he
     torch.testing.assert_close(out, ref, rtol=TOL[dtype][0], atol=TOL[dtype][1])
 
 
-def check_decode(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim, num_kv_splits, **kw):
+def check_decode(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim, num_kv_splits, config=None, **kw):
     b = make_batch(device, dtype, [1] * len(seq_lens), [n - 1 for n in seq_lens], num_heads, num_kv_heads,
                    head_dim, **kw)
     args = dict(q=b["q"], k_cache=b["k_cache"], v_cache=b["v_cache"], block_tables=b["block_tables"],
                 seq_lens=b["seq_lens"], scale=b["scale"])
-    out = decode_attention_triton(**args, num_kv_splits=num_kv_splits)
+    out = decode_attention_triton(**args, num_kv_splits=num_kv_splits, config=config)
     ref = reference.decode_attention(**args)
     assert out.shape == b["q"].shape and out.dtype == dtype
     assert not out.isnan().any(), "read a NaN cache slot it should have skipped"
@@ -100,6 +100,26 @@ def test_extend_empty_sequence_and_big_blocks(device):
 @pytest.mark.parametrize("num_kv_splits", [None, 1, 3])
 def test_decode(device, dtype, num_heads, num_kv_heads, num_kv_splits):
     check_decode(device, dtype, [1, 21, 48, 150], num_heads, num_kv_heads, 64, num_kv_splits)
+
+
+@pytest.mark.parametrize("config", [(128, 4, 2), (64, 4, 1), (32, 2, 3)])  # (keys per tile, warps, stages)
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_decode_launch_configs(device, config, num_kv_splits):
+    # the tiles _decode_config picks on a GPU (the CPU's 4 "SMs" pick none of the first two)
+    check_decode(device, torch.float16, [1, 21, 48, 150, 300], 8, 2, 64, num_kv_splits, config=config)
+
+
+def test_decode_config_rule(monkeypatch):
+    from metrale.kernels import paged_attention as A
+
+    monkeypatch.setattr(A, "_num_sms", lambda index: 132)  # an H100/H200
+    gpu = torch.device("cuda", 0)  # only its type and index are read
+    assert A._decode_config(128, 256, 8, 1, gpu) == (128, 4, 2)  # the batch fills the GPU, unsplit
+    assert A._decode_config(128, 256, 8, 2, gpu) == (64, 4, 2)  # split: tiles must tile the splits
+    assert A._decode_config(128, 32, 8, 2, gpu) == (64, 4, 2)
+    assert A._decode_config(128, 1, 8, 16, gpu) == (64, 4, 1)  # batch 1: a split is a tile or two
+    assert A._decode_config(128, 4, 8, 8, gpu) == (64, 4, 1)
+    assert A._decode_config(256, 256, 8, 1, gpu) == (64, 4, 2)  # head_dim 256: half the keys
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])

@@ -146,6 +146,14 @@ def test_rope_store_kv(device, dtype, norm, is_neox):
 
 
 @pytest.mark.parametrize("norm", [True, False])
+def test_rope_store_kv_head_blocks(device, norm):
+    # 12 q heads and 3 kv heads in blocks of 8: two q blocks (the second half empty), one
+    # partly empty k block and v block
+    _check_store(device, torch.float32, torch.float32, norm, True, head_dim=32, rotary_dim=32, num_heads=12,
+                 num_kv_heads=3)
+
+
+@pytest.mark.parametrize("norm", [True, False])
 def test_rope_store_kv_partial_rotary_and_fp8(device, norm):
     _check_store(device, torch.float16, torch.float16, norm, True, head_dim=64, rotary_dim=48, num_heads=3,
                  num_kv_heads=1)
