@@ -88,7 +88,7 @@ def _sweep(name, configs, make_fn, calls, replays, describe):
 
 
 def run_decode(name, heads, kv_heads, d, n_seqs, ctx, configs, dtype, bw, calls, replays):
-    from metrale.kernels.paged_attention import decode_attention_triton
+    from metrale.kernels.paged_attention import _decode_config, choose_num_kv_splits, decode_attention_triton
 
     rnd = random.Random(0)
     gen = torch.Generator().manual_seed(0)
@@ -118,7 +118,9 @@ def run_decode(name, heads, kv_heads, d, n_seqs, ctx, configs, dtype, bw, calls,
 
     out = _sweep(name, configs, make_fn, calls, replays,
                  lambda us: f"{us:.2f} us, {kv_bytes / us / 1e6 / bw * 1e12:.1%} of copy bandwidth")
-    return out, kv_bytes
+    splits = choose_num_kv_splits(n_seqs, kv_heads, table.shape[1] * BLOCK_SIZE, q.device)  # as the kernel picks
+    default = (*_decode_config(d, n_seqs, kv_heads, splits, q.device), splits)
+    return out, kv_bytes, default
 
 
 def run_extend(name, heads, kv_heads, d, n_seqs, new_tokens, configs, dtype, calls, replays):
@@ -149,7 +151,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("attention_bench.py needs a CUDA GPU; nothing measured.", file=sys.stderr)
         return 1
-    from metrale.kernels.paged_attention import _decode_config, _extend_config, choose_num_kv_splits
+    from metrale.kernels.paged_attention import _extend_config
 
     dtype = torch.bfloat16
     bw = copy_bandwidth()
@@ -162,11 +164,8 @@ def main(argv=None):
         if kind == "decode":
             grid = BS1_GRID if n_seqs == 1 else DECODE_GRID
             configs = [None] + ([] if args.default_only else grid)  # None: the kernel's own choice
-            res, kv_bytes = run_decode(name, heads, kv_heads, d, n_seqs, size, configs, dtype, bw,
-                                       args.calls, args.replays)
-            max_context = 4096 if n_seqs == 1 else -(-size[1] // BLOCK_SIZE) * BLOCK_SIZE
-            splits = choose_num_kv_splits(n_seqs, kv_heads, max_context, torch.device("cuda"))
-            default = (*_decode_config(d, n_seqs, kv_heads, splits, torch.device("cuda")), splits)
+            res, kv_bytes, default = run_decode(name, heads, kv_heads, d, n_seqs, size, configs, dtype, bw,
+                                                args.calls, args.replays)
             for cfg, us in sorted(res.items(), key=lambda kv: kv[1]):
                 label = f"default {default}" if cfg is None else str(cfg)
                 print(f"| {name} | {label} | {us:.2f} us | {kv_bytes / us / 1e6 / bw * 1e12:.1%} of copy BW |")

@@ -28,6 +28,7 @@ import torch
 from metrale.engine.sampling_params import SamplingParams
 from metrale.engine.scheduler_output import CachedRequestData, SchedulerOutput
 from metrale.executor.sampler import SamplingRow, sample_tokens
+from metrale.kernels import num_sms
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +51,7 @@ def warm_up_kernels(runner, max_num_seqs: int) -> float:
             runner.requests.clear()
     if DECODE_CONTEXT + 1 <= pool_tokens:
         _decode_once(runner, vocab)
-    sms = torch.cuda.get_device_properties(runner.device).multi_processor_count
-    for rows in sorted({1, min(max_num_seqs, sms)}):
+    for rows in sorted({1, min(max_num_seqs, num_sms(runner.device))}):
         # in the LM head's dtype, as the engine hands them over (a kernel variant per dtype)
         logits = torch.randn(rows, vocab, device=runner.device, dtype=runner.model_config.dtype)
         params = SamplingParams(temperature=0.6)

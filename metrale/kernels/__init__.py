@@ -13,6 +13,7 @@ reference fallbacks keep working.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -88,6 +89,18 @@ def pdl_launch_dependents(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index) -> int:
+    if interpret_mode() or not torch.cuda.is_available():
+        return 4  # the CPU interpreter stands in for a small GPU, so split and path choices get tested
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """The streaming multiprocessors that launch heuristics fill (cached per device)."""
+    return _sm_count(device.index if device.type == "cuda" else None)
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the dispatching kernel functions take the Triton path for `t`.
     CPU tensors always use the reference, even under TRITON_INTERPRET=1, so
@@ -96,4 +109,4 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 __all__ = ["HAS_TRITON", "triton", "tl", "interpret_mode", "triton_available", "use_triton", "pdl_args", "pdl_wait",
-           "pdl_launch_dependents", "set_programmatic_launch", "programmatic_launch_supported"]
+           "pdl_launch_dependents", "set_programmatic_launch", "programmatic_launch_supported", "num_sms"]

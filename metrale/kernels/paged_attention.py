@@ -17,12 +17,10 @@ Block-table entries past a sequence's length are never read.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from metrale.kernels import (interpret_mode, pdl_args, pdl_launch_dependents, pdl_wait, reference, tl, triton,
-                             use_triton)
+from metrale.kernels import (interpret_mode, num_sms, pdl_args, pdl_launch_dependents, pdl_wait, reference, tl,
+                             triton, use_triton)
 
 LOG2E = 1.4426950408889634
 
@@ -300,20 +298,13 @@ def _decode_merge_kernel(
              mask=d_mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index) -> int:
-    if interpret_mode() or not torch.cuda.is_available():
-        return 4
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 MAX_KV_SPLITS = 64  # the most splits a sequence's keys are cut into
 
 
 def choose_num_kv_splits(num_seqs, num_kv_heads, max_context, device) -> int:
     """Enough (seq, kv head, split) programs for ~2 waves over the SMs, but no split
     shorter than 256 keys at max_context. Host-side only: never reads seq_lens."""
-    sms = _num_sms(device.index if device.type == "cuda" else None)
+    sms = num_sms(device)
     want = triton.cdiv(2 * sms, max(1, num_seqs * num_kv_heads))
     return max(1, min(want, triton.cdiv(max_context, 256), MAX_KV_SPLITS))
 
@@ -331,7 +322,7 @@ def _decode_config(head_dim, num_seqs, num_kv_heads, num_splits, device):
         heads), whose splits are a tile or two long: no pipelining, batch 1 at 576 keys 6.1 vs 6.7;
       * between: 64-key tiles, 2 stages: 32 sequences (2 splits) 60.9 vs 74.6.
     Head dims above 128 halve the tile (shared memory)."""
-    sms = _num_sms(device.index if device.type == "cuda" else None)
+    sms = num_sms(device)
     pairs = num_seqs * num_kv_heads
     if num_splits == 1 and pairs >= 4 * sms:
         block_n, num_stages = 2 * DECODE_BLOCK_N, 2

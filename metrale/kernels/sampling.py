@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.kernels import interpret_mode, reference, tl, triton, use_triton
+from metrale.kernels import interpret_mode, num_sms, reference, tl, triton, use_triton
 
 SAMPLING_EPS = reference.SAMPLING_EPS
 INT32_MIN = -(2**31)
@@ -374,7 +374,7 @@ def sample_tokens_triton(logits, temperature, top_k, top_p, min_p, seeds, offset
     launch = _Launch(logits)
     top_k = top_k.to(device=dev, dtype=torch.int64).contiguous()
     top_p = top_p.to(device=dev, dtype=torch.float32).contiguous()
-    if not interpret_mode() and n >= _num_sms(dev):
+    if not interpret_mode() and n >= num_sms(dev):
         # Enough rows to fill the GPU one row per program: no partials, no atomics.
         return _sample_per_row(launch, logits, temperature, top_k, top_p, min_p, seeds, offsets, out,
                                any_top_k=any_top_k, any_top_p=any_top_p, any_min_p=any_min_p)
@@ -405,10 +405,6 @@ def _sample_per_row(launch: _Launch, logits, temperature, top_k, top_p, min_p, s
                                         BLOCK_V=min(max(triton.next_power_of_2(launch.vocab), 4), 4096),
                                         USE_TOP_K=any_top_k, USE_TOP_P=any_top_p, USE_MIN_P=any_min_p, num_warps=8)
     return out
-
-
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def sample_tokens(logits, temperature, top_k, top_p, min_p, seeds, offsets) -> torch.Tensor:

@@ -112,7 +112,7 @@ def test_decode_launch_configs(device, config, num_kv_splits):
 def test_decode_config_rule(monkeypatch):
     from metrale.kernels import paged_attention as A
 
-    monkeypatch.setattr(A, "_num_sms", lambda index: 132)  # an H100/H200
+    monkeypatch.setattr(A, "num_sms", lambda device: 132)  # an H100/H200
     gpu = torch.device("cuda", 0)  # only its type and index are read
     assert A._decode_config(128, 256, 8, 1, gpu) == (128, 4, 2)  # the batch fills the GPU, unsplit
     assert A._decode_config(128, 256, 8, 2, gpu) == (64, 4, 2)  # split: tiles must tile the splits
