@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from metrale.bench.workload import random_workload  # noqa: E402
-from metrale.engine.startup import resolve_model_dir  # noqa: E402
+from metrale.startup.model_source import resolve_model_dir  # noqa: E402
 
 
 def build(model: str):

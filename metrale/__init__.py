@@ -1,7 +1,7 @@
 """met: a fast inference engine and OpenAI-compatible server for open-weight language models."""
 
-from metrale.engine.outputs import CompletionOutput, RequestOutput
-from metrale.engine.sampling_params import SamplingParams
+from metrale.messages.outputs import CompletionOutput, RequestOutput
+from metrale.messages.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 

@@ -10,7 +10,7 @@ import time
 
 from metrale.bench.hardware import decode_floor, measure, prefill_floor
 from metrale.bench.workload import run_settings, weights_read_per_step
-from metrale.engine.sampling_params import SamplingParams
+from metrale.messages.sampling_params import SamplingParams
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metrale.engine.sampling_params import SamplingParams
+from metrale.messages.sampling_params import SamplingParams
 
 
 @dataclass

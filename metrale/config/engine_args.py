@@ -77,6 +77,13 @@ class EngineArgs:
     fp8_kv_calibration_tokens: int = option(0, "With --kv-cache-dtype fp8 and no k_scale/v_scale in the checkpoint: "
                                                "calibrate the scales at startup over this many tokens (0: scales 1.0)")
     fp8_kv_headroom: float = option(1.2, "Calibrated fp8 scales cover the largest value seen times this factor")
+    ssm_h_dtype: str = option("float32", "Element type of the recurrent state of linear-attention (Gated DeltaNet) "
+                                         "layers; it is always computed in float32",
+                              choices=("float32", "bfloat16", "float16"))
+    state_checkpoint_slots: int | str = option("auto", "Per-request states of hybrid (linear-attention) models kept "
+                                                       "at block-aligned prompt positions, so that a prefix-cache hit "
+                                                       "resumes from one; auto: max_num_seqs // 4, at least 8; 0 turns "
+                                                       "prefix caching off for such models", parse=int_or_auto)
     # Parallelism (docs/parallel.md). world = tp x ep (orthogonal mesh) or tp = ep = world (overlapping).
     tp_size: int = option(1, "Tensor-parallel ranks")
     ep_size: int = option(1, "Expert-parallel ranks (MoE models)")
@@ -91,6 +98,9 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         self.max_num_seqs = int_or_auto(self.max_num_seqs)
+        self.state_checkpoint_slots = int_or_auto(self.state_checkpoint_slots)
+        if self.state_checkpoint_slots != "auto" and self.state_checkpoint_slots < 0:
+            raise ValueError(f"state_checkpoint_slots must be >= 0, got {self.state_checkpoint_slots}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tp_size", "ep_size", "world_size"):
             if getattr(self, name) != "auto" and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -129,14 +139,6 @@ class EngineArgs:
     @property
     def kv_cache_skip_layers(self) -> frozenset[int]:
         return kv_skip_layers(self.kv_cache_dtype_skip_layers)
-
-    def kv_cache_torch_dtype(self, layer_index: int, model_dtype):
-        """The KV element type of one layer."""
-        import torch
-
-        if self.kv_cache_dtype == "auto" or (self.kv_cache_dtype == "fp8" and layer_index in self.kv_cache_skip_layers):
-            return model_dtype
-        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else getattr(torch, self.kv_cache_dtype)
 
     # -- the command line, generated from the fields -------------------------------------------
 

@@ -3,10 +3,10 @@
 Who starts whom (docs/parallel.md):
 
 - one host: rank 0 (the process that serves HTTP, or calls `LLM(...)`) spawns ranks 1..W-1
-  itself, as `python -m metrale.distributed.worker` subprocesses. This is the case when
+  itself, as `python -m metrale.entrypoints.worker` subprocesses. This is the case when
   `--master-addr` is a loopback address and no torchrun environment is present;
 - torchrun: every rank is started by torchrun, and RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
-  and MASTER_PORT come from its environment (`torchrun ... -m metrale.distributed.worker serve ...`);
+  and MASTER_PORT come from its environment (`torchrun ... -m metrale.entrypoints.worker serve ...`);
 - several hosts: every rank is started by hand with --world-size, --rank, --master-addr (rank
   0's address, not a loopback one) and --master-port.
 
@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from metrale.distributed import parallel_state
-from metrale.distributed.topology import (Topology, TopologyError, check_attention_heads, check_expert_layout,
-                                          resolve_topology)
-from metrale.engine.errors import EngineDeadError
+from metrale.distributed.moe_layout import init_moe_layout, moe_layout
+from metrale.distributed.topology import Topology, TopologyError, resolve_topology
+from metrale.messages.errors import EngineDeadError
 
 # NVLink multicast stays off in NCCL, torch's symmetric memory and NVSHMEM: on shared hosts a
 # program using it can take the GPUs out of service, and nothing here needs it.
@@ -99,63 +99,19 @@ def topology_from_args(args, environ=None) -> tuple[Topology, TorchrunEnv | None
 
 # -- checks before anything is started ---------------------------------------------------------
 
-def moe_reduce_group(topology: Topology, expert_layout: str) -> parallel_state.TensorParallelGroup:
-    """The group over which a MoE layer's partial outputs are summed: every rank that holds a
-    different part of the same layer, and no other (else a part would be counted twice).
-    Layout tp, or no EP beside TP, or overlapping groups: the TP group; EP only: the EP group;
-    an orthogonal mesh with layout ep (experts by EP rank, sliced by TP rank): the world."""
-    if expert_layout == "tp" or topology.overlapping or topology.ep_size == 1:
-        return parallel_state.get_tp_group()
-    if topology.tp_size == 1:
-        return parallel_state.get_ep_group()
-    return parallel_state.get_world_group()
-
-
-def moe_layout(topology: Topology, expert_layout: str):
-    """This rank's MoEParallelLayout, summed over the group the layout needs."""
-    from metrale.layers.moe.parallel import layout_for_topology
-
-    return layout_for_topology(topology.tp_rank, topology.tp_size, topology.ep_rank, topology.ep_size,
-                               expert_layout, moe_reduce_group(topology, expert_layout), topology.world_size)
-
-
-def _init_moe_layout(topology: Topology, expert_layout: str) -> None:
-    from metrale.layers.moe.parallel import init_moe_layout
-
-    init_moe_layout(moe_layout(topology, expert_layout))
-
-
 @contextlib.contextmanager
 def shard_sizes_of(topology: Topology, expert_layout: str):
     """Layers built inside take `topology`'s rank's shard sizes (no process group exists: build
     them on the meta device, to check a split or to plan a rank's memory)."""
-    from metrale.layers.moe.parallel import init_moe_layout
-
     parallel_state.init_tensor_parallel(topology.tp_rank, topology.tp_size)
     parallel_state.init_expert_parallel(topology.ep_rank, topology.ep_size)
     parallel_state.init_world_group(topology.rank, topology.world_size)
     try:
-        _init_moe_layout(topology, expert_layout)
+        init_moe_layout(moe_layout(topology, expert_layout))
         yield
     finally:
         parallel_state.reset_parallel_state()
         init_moe_layout(None)
-
-
-def check_model_split(config, topology: Topology, expert_layout: str) -> None:
-    """Refuse, before any process starts, a model this topology cannot split: the head counts,
-    then a dry build on the meta device with this rank's shard sizes (expert ranges, intermediate
-    slices), whose complaints are given the architecture and the sizes."""
-    from metrale.models.registry import get_model_class
-
-    check_expert_layout(topology, expert_layout)
-    check_attention_heads(config.architecture, config.num_attention_heads, config.num_kv_heads, topology.tp_size)
-    try:
-        with shard_sizes_of(topology, expert_layout), torch.device("meta"):
-            get_model_class(config.architecture)(config)
-    except ValueError as e:
-        raise TopologyError(f"{config.architecture} cannot be split over tp_size={topology.tp_size}, "
-                            f"ep_size={topology.ep_size} (--moe-expert-layout {expert_layout}): {e}") from None
 
 
 def ensure_no_live_groups(world_size: int) -> None:
@@ -248,8 +204,6 @@ class ParallelRuntime:
         self._drop_groups()
 
     def _drop_groups(self) -> None:
-        from metrale.layers.moe.parallel import init_moe_layout
-
         if dist.is_initialized():
             _destroy_groups_within(GROUP_TEARDOWN_TIMEOUT_S)
         parallel_state.reset_parallel_state()
@@ -308,7 +262,7 @@ def spawn_workers(args, topology: Topology, device: torch.device, master_port: i
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // topology.world_size))
     workers = []
     for rank in range(1, topology.world_size):
-        command = [sys.executable, "-m", "metrale.distributed.worker", "--spawned-by", str(os.getpid()),
+        command = [sys.executable, "-m", "metrale.entrypoints.worker", "--spawned-by", str(os.getpid()),
                    "--rank", str(rank), "--engine-args", json.dumps(dict(wire, rank=rank))]
         workers.append(WorkerProcess(rank, subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)))
     logger.info("started %d worker rank(s): pids %s", len(workers), ", ".join(str(w.process.pid) for w in workers))
@@ -374,14 +328,10 @@ def _init_groups(topology: Topology, device: torch.device, oneshot_max_kb: int) 
     parallel_state.init_world_group(topology.rank, topology.world_size, world, oneshot(world, topology.world_size))
 
 
-def start_parallel(args, config, device: torch.device, spawned: bool = False) -> ParallelRuntime | None:
-    """Resolve the topology and, above one rank, join (or start) the other ranks and set the
-    groups layers use. Returns None for a single rank."""
-    topology, env = topology_from_args(args)
-    ensure_no_live_groups(topology.world_size)
-    if topology.world_size == 1:
-        return None
-    check_model_split(config, topology, args.moe_expert_layout)
+def join_ranks(args, topology: Topology, env: TorchrunEnv | None, device: torch.device,
+               spawned: bool = False) -> ParallelRuntime:
+    """Join (or, on rank 0 of a one-host launch, start) the other ranks of a world above one rank
+    and set the groups layers use. The model split has been checked (startup.parallel)."""
     os.environ.update(MULTICAST_OFF)
     addr, port = (env.master_addr, env.master_port) if env else (args.master_addr, args.master_port)
     spawn = env is None and not spawned and topology.rank == 0 and is_loopback(addr)
@@ -404,14 +354,12 @@ def start_parallel(args, config, device: torch.device, spawned: bool = False) ->
                                 world_size=topology.world_size, device_id=device if device.type == "cuda" else None)
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         _init_groups(topology, device, getattr(args, "all_reduce_oneshot_max_kb", 0))
-        _init_moe_layout(topology, args.moe_expert_layout)
+        init_moe_layout(moe_layout(topology, args.moe_expert_layout))
     except BaseException:
         kill_workers(workers)
         if dist.is_initialized():
             _destroy_groups_within(GROUP_TEARDOWN_TIMEOUT_S)
         parallel_state.reset_parallel_state()
-        from metrale.layers.moe.parallel import init_moe_layout
-
         init_moe_layout(None)
         raise
     logger.info("parallel: %s, %s backend, device %s", topology.describe(), backend, device)

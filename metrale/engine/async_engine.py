@@ -21,13 +21,16 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from metrale.config.engine_args import EngineArgs
-from metrale.engine.errors import EngineDeadError, InvalidRequestError
-from metrale.engine.outputs import RequestOutput
-from metrale.engine.sampling_params import SamplingParams
+from metrale.messages.errors import EngineDeadError, InvalidRequestError
+from metrale.messages.outputs import RequestOutput
+from metrale.messages.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from metrale.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +160,11 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, args: EngineArgs, *, max_waiting: int, log_startup: bool = True,
+    def __init__(self, make_engine: Callable[[], "LLMEngine"], *, max_waiting: int,
                  observer: EngineObserver | None = None):
-        self.args = args
+        """`make_engine` builds the LLMEngine; it runs on the engine thread (startup.build_llm_engine)."""
+        self.make_engine = make_engine
         self.max_waiting = max_waiting
-        self.log_startup = log_startup
         self.observer = observer or EngineObserver()
         self.state = EngineState.LOADING
         self.error: BaseException | None = None
@@ -327,9 +330,7 @@ class AsyncEngine:
 
     def _thread_main(self) -> None:
         try:
-            from metrale.engine.engine import LLMEngine
-
-            self.engine = LLMEngine(self.args, log_startup=self.log_startup)
+            self.engine = self.make_engine()
         except BaseException as e:  # noqa: BLE001 - any load failure ends the server
             logger.error("the engine failed to start: %s", e, exc_info=not isinstance(e, (OSError, ValueError)))
             self.error = e

@@ -9,13 +9,12 @@ import random
 
 from metrale.config.engine_args import EngineArgs
 from metrale.config.model_config import ModelConfig
-from metrale.engine.errors import InvalidRequestError
+from metrale.messages.errors import InvalidRequestError
 from metrale.engine.output_processor import OutputProcessor
-from metrale.engine.outputs import RequestOutput
+from metrale.messages.outputs import RequestOutput
 from metrale.engine.request import Request, RequestStatus
-from metrale.engine.sampling_params import SamplingParams
+from metrale.messages.sampling_params import SamplingParams
 from metrale.engine.scheduler import Scheduler
-from metrale.engine.startup import StartupLog, build_engine_parts
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +34,12 @@ def _eos_token_ids(model_dir: str, tokenizer) -> list[int]:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, log_startup: bool = False):
+    def __init__(self, args: EngineArgs, parts, startup_log=None):
+        """`parts`: what startup built (metrale.startup.EngineParts): config, tokenizer, runner,
+        memory plan and executor."""
         self.args = args
         # Kept so that `met serve` can log its "ready" phase in the same numbering.
-        self.startup_log = StartupLog(log_startup)
-        parts = build_engine_parts(args, self.startup_log)
+        self.startup_log = startup_log
         self.model_config: ModelConfig = parts.model_config
         self.tokenizer = parts.tokenizer
         self.runner = parts.runner  # this rank's ModelRunner (model, KV cache, memory numbers)
@@ -50,7 +50,9 @@ class LLMEngine:
         self.scheduler = Scheduler(num_kv_blocks=parts.plan.num_kv_blocks, block_size=args.block_size,
                                    max_num_seqs=parts.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                    max_model_len=self.model_config.max_model_len,
-                                   enable_prefix_caching=args.enable_prefix_caching)
+                                   enable_prefix_caching=args.enable_prefix_caching,
+                                   num_state_slots=parts.plan.max_num_seqs if parts.plan.state_bytes_per_slot else 0,
+                                   num_checkpoint_slots=parts.plan.num_checkpoint_slots)
         self.outputs = OutputProcessor(self.tokenizer)
         # The launched step whose result is not applied yet (asynchronous scheduling only).
         self._inflight = None

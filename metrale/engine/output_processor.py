@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass, field
 
 from metrale.engine.detokenizer import IncrementalDetokenizer, find_stop
-from metrale.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from metrale.messages.outputs import CompletionOutput, Logprob, RequestOutput
 from metrale.engine.request import Request
-from metrale.engine.scheduler_output import TokenLogprobs
+from metrale.messages.scheduler_output import TokenLogprobs
 
 
 @dataclass

@@ -5,12 +5,8 @@ from __future__ import annotations
 import enum
 import time
 
-from metrale.engine.sampling_params import SamplingParams
-
-
-# A token a launched step sampled whose value the host has not read yet (asynchronous scheduling).
-# Placeholders only ever trail a request's tokens.
-PLACEHOLDER = -1
+from metrale.messages.sampling_params import SamplingParams
+from metrale.messages.scheduler_output import PLACEHOLDER
 
 
 class RequestStatus(enum.Enum):

@@ -4,7 +4,8 @@ There is no prefill or decode phase: every request has `num_computed_tokens` cha
 `num_tokens`, and a step gives each running request (oldest first), then waiting ones (FCFS),
 as many tokens as the budget allows. Chunked prefill, decode and recompute after preemption
 are the same path. When the KV pool runs dry, the newest running request is preempted: its
-blocks go back to the pool and it is recomputed later from the front of the waiting queue.
+blocks (and state slot) go back to the pool and it is recomputed later from the front of the
+waiting queue. All cache bookkeeping goes through the coordinator (kv_cache_coordinator.py).
 No torch here.
 """
 
@@ -13,9 +14,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from metrale.engine.kv_cache_manager import KVCacheManager
+from metrale.engine.kv_cache_coordinator import KVCacheCoordinator
 from metrale.engine.request import Request, RequestStatus
-from metrale.engine.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+from metrale.messages.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                              SchedulerOutput)
 
 
@@ -31,8 +32,15 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, *, num_kv_blocks: int, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, enable_prefix_caching: bool = False):
-        self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
+                 max_num_batched_tokens: int, max_model_len: int, enable_prefix_caching: bool = False,
+                 num_state_slots: int = 0, num_checkpoint_slots: int = 0):
+        """`num_state_slots`: per-request state slots of a model that keeps state (at least
+        max_num_seqs), 0 otherwise; `num_checkpoint_slots`: the prefix cache's state checkpoints."""
+        if num_state_slots and num_state_slots < max_num_seqs:
+            raise ValueError(f"{num_state_slots} state slots cannot hold {max_num_seqs} running sequences")
+        self.kv = KVCacheCoordinator(num_kv_blocks, block_size, num_state_slots=num_state_slots,
+                                     num_checkpoint_slots=num_checkpoint_slots,
+                                     enable_prefix_caching=enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -42,7 +50,6 @@ class Scheduler:
         self._dropped_since_last_step: list[str] = []  # finished or preempted: runner forgets them
         self._runner_knows: set[str] = set()
         self.num_preemptions_total = 0
-        self._pinned_copy_sources: list[int] = []  # held until the runner has copied them
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -80,7 +87,7 @@ class Scheduler:
             self._dropped_since_last_step.append(request.request_id)
 
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request.request_id, forget_hashes=False)
+        self.kv.free(request.request_id, preempted=True)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -104,8 +111,7 @@ class Scheduler:
         """Plan one step. Also returns requests that ended while planning (they can never fit)."""
         out = SchedulerOutput(finished_request_ids=self._dropped_since_last_step)
         self._dropped_since_last_step = []
-        self.kv.pool.release(self._pinned_copy_sources)  # the last step's copies are done
-        self._pinned_copy_sources = []
+        self.kv.end_step()  # the last plan's copies are queued on the device
         ended: list[Request] = []
         budget = self.max_num_batched_tokens
         preempted_this_step = False
@@ -116,7 +122,8 @@ class Scheduler:
             if self._awaits_last_token(request):
                 index += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            start = request.num_computed_tokens
+            num_new = self.kv.chunk_end(request.request_id, start, min(request.num_tokens, start + budget)) - start
             new_blocks, preempted_others = self._allocate_or_preempt(request, num_new)
             preempted_this_step |= preempted_others
             if new_blocks is None:
@@ -133,8 +140,7 @@ class Scheduler:
                 break
             out.cached_requests.append(
                 CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
-            out.num_scheduled_tokens[request.request_id] = num_new
-            self._advance(request, num_new)
+            self._schedule(request, num_new, out)
             budget -= num_new
             index += 1
 
@@ -159,40 +165,32 @@ class Scheduler:
         return out, ended
 
     def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int | None:
-        """Start (or resume) the head of the waiting queue: reuse its cached prefix, allocate
-        blocks for its first chunk. Returns the tokens scheduled, or None when the pool is short."""
-        bs = self.kv.block_size
-        prefix = self.kv.find_cached_prefix(request.request_id, request.token_ids, request.extra_keys)
-        num_cached = len(prefix) * bs
-        copy_source = None
-        if prefix and num_cached >= request.num_tokens:
-            # Everything is cached, but the last token must run for its logits. It is recomputed
-            # in a private copy of the last block, never written into a shared one.
-            copy_source = prefix.pop()
-            num_cached = request.num_tokens - 1
-            self.kv.pool.touch([copy_source])
-        num_new = min(request.num_tokens - num_cached, budget)
-        if self.kv.allocate_slots(request.request_id, num_cached + num_new, prefix) is None:
-            if copy_source is not None:
-                self.kv.pool.release([copy_source])
+        """Start (or resume) the head of the waiting queue: reuse its cached prefix, take room for
+        its first chunk. Returns the tokens scheduled, or None when a pool is short."""
+        hit = self.kv.lookup(request)
+        admission = self.kv.admit(request, hit, min(request.num_tokens, hit.num_tokens + budget))
+        if admission is None:
             return None
-        if copy_source is not None:
-            out.block_copies.append((copy_source, self.kv.get_block_table(request.request_id)[len(prefix)]))
-            self._pinned_copy_sources.append(copy_source)
-        if self.kv.enable_prefix_caching:
-            self.kv.prefix_queries_total += request.num_tokens
-            self.kv.prefix_hits_total += num_cached
-        request.num_computed_tokens = num_cached
+        end = admission.end
+        out.block_copies += admission.block_copies
+        out.state_restores += admission.state_restores
+        request.num_computed_tokens = hit.num_tokens
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._runner_knows.add(request.request_id)
         out.new_requests.append(NewRequestData(
             request.request_id, list(request.token_ids), request.num_prompt_tokens, request.sampling_params,
-            request.seed, list(self.kv.get_block_table(request.request_id)), num_cached))
+            request.seed, admission.block_table, hit.num_tokens, admission.state_slot))
+        self._schedule(request, end - hit.num_tokens, out)
+        return end - hit.num_tokens
+
+    def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         out.num_scheduled_tokens[request.request_id] = num_new
+        save = self.kv.save_checkpoint(request, request.num_computed_tokens + num_new)
+        if save is not None:
+            out.state_saves.append(save)
         self._advance(request, num_new)
-        return num_new
 
     @staticmethod
     def _advance(request: Request, num_new: int) -> None:
@@ -219,7 +217,7 @@ class Scheduler:
         """
         preempted_others = False
         while True:
-            new_blocks = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
+            new_blocks = self.kv.grow(request.request_id, request.num_computed_tokens + num_new)
             if new_blocks is not None:
                 return new_blocks, preempted_others
             victim = self.running[-1]
@@ -239,8 +237,7 @@ class Scheduler:
             token = result.sampled_token_ids.get(request_id)
             if token is not None:
                 request.resolve_placeholder(token)
-            self.kv.cache_full_blocks(request_id, request.token_ids,
-                                      min(request.num_computed_tokens, request.num_known_tokens), request.extra_keys)
+            self.kv.cache_computed(request, min(request.num_computed_tokens, request.num_known_tokens))
             if token is None:
                 continue  # a prefill chunk that does not reach the end of the prompt
             updates.append((request, [token]))

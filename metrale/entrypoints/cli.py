@@ -17,15 +17,15 @@ def _follow_rank_0(engine_args: EngineArgs) -> int | None:
     topology, _ = topology_from_args(engine_args)
     if topology.rank == 0:
         return None
-    from metrale.distributed.worker import run_worker
+    from metrale.startup.worker_rank import run_worker
 
     return run_worker(engine_args)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from metrale.engine.errors import InvalidRequestError
+    from metrale.messages.errors import InvalidRequestError
     from metrale.entrypoints.llm import LLM
-    from metrale.engine.sampling_params import SamplingParams
+    from metrale.messages.sampling_params import SamplingParams
 
     engine_args = EngineArgs.from_cli_args(args)
     worker_status = _follow_rank_0(engine_args)
@@ -46,7 +46,8 @@ def _memory_plan(args: argparse.Namespace) -> int:
     import torch
 
     from metrale.distributed.launch import shard_sizes_of, topology_from_args
-    from metrale.engine.startup import plan_memory, read_model_config, resolve_device
+    from metrale.startup.memory import plan_memory
+    from metrale.startup.model_source import read_model_config, resolve_device
     from metrale.executor.memory_plan import MemoryPlanError, fit_kv_blocks, resolve_max_num_seqs
 
     engine_args = EngineArgs.from_cli_args(args)
@@ -73,7 +74,7 @@ def _bench(args: argparse.Namespace) -> int:
     import os
 
     from metrale.bench import latency, throughput
-    from metrale.engine.startup import resolve_model_dir
+    from metrale.startup.model_source import resolve_model_dir
     from metrale.entrypoints.llm import LLM
 
     if args.bench == "serve":

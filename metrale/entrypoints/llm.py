@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from metrale.config.engine_args import EngineArgs
-from metrale.engine.engine import LLMEngine, PromptType
-from metrale.engine.outputs import RequestOutput
-from metrale.engine.sampling_params import SamplingParams
+from metrale.engine.engine import PromptType
+from metrale.messages.outputs import RequestOutput
+from metrale.messages.sampling_params import SamplingParams
+from metrale.startup import build_llm_engine
 
 _PROGRESS_BAR_MIN_PROMPTS = 8
 
@@ -18,7 +19,7 @@ _PROGRESS_BAR_MIN_PROMPTS = 8
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.llm_engine = LLMEngine(self.engine_args)
+        self.llm_engine = build_llm_engine(self.engine_args)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -25,10 +25,11 @@ import time
 
 import torch
 
-from metrale.engine.sampling_params import SamplingParams
-from metrale.engine.scheduler_output import CachedRequestData, SchedulerOutput
 from metrale.executor.sampler import SamplingRow, sample_tokens
+from metrale.executor.startup_passes import forward_whole, prefill_plan
 from metrale.kernels import num_sms
+from metrale.messages.sampling_params import SamplingParams
+from metrale.messages.scheduler_output import CachedRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +45,10 @@ def warm_up_kernels(runner, max_num_seqs: int) -> float:
     Uses the KV pool from block 0 (nothing else holds it at startup) and leaves no request."""
     start = time.perf_counter()
     vocab = runner.model_config.vocab_size
-    pool_tokens = runner.kv_caches[0].shape[1] * runner.block_size if runner.kv_caches else 0
+    pool_tokens = runner.caches.num_blocks * runner.block_size
     for length in PREFILL_LENGTHS:
         if length <= pool_tokens:
-            runner.forward_whole(runner.prefill_plan([[1] * length], "__warmup"))
+            forward_whole(runner, prefill_plan(runner, [[1] * length], "__warmup"))
             runner.requests.clear()
     if DECODE_CONTEXT + 1 <= pool_tokens:
         _decode_once(runner, vocab)
@@ -65,13 +66,13 @@ def warm_up_kernels(runner, max_num_seqs: int) -> float:
 def _decode_once(runner, vocab: int) -> None:
     """One eager pure-decode step after a DECODE_CONTEXT-token prefill."""
     tokens = [i % vocab for i in range(DECODE_CONTEXT)]
-    plan = runner.prefill_plan([tokens], "__warmup")
-    runner.forward_whole(plan)
+    plan = prefill_plan(runner, [tokens], "__warmup")
+    forward_whole(runner, plan)
     new = plan.new_requests[0]
-    new.token_ids.append(1)
+    runner.requests[new.request_id].token_ids.append(1)
     blocks = -(-(DECODE_CONTEXT + 1) // runner.block_size)
     extra = list(range(len(new.block_ids), blocks))
     decode = SchedulerOutput(cached_requests=[CachedRequestData(new.request_id, extra, DECODE_CONTEXT)],
                              num_scheduled_tokens={new.request_id: 1})
-    runner.forward_whole(decode)
+    forward_whole(runner, decode)
     runner.requests.clear()

@@ -3,11 +3,16 @@
     weights            exact, from the parameters of the model built on the meta device
     activation reserve estimated before loading; on CUDA measured by a profiling forward pass
                        at the largest step (max_num_batched_tokens) once the weights are in
+    state slots        models with per-request state (linear attention): one slot per running
+                       sequence, the prefix cache's checkpoints, and a padding slot, at
+                       state_bytes_per_slot
     KV cache           what is left of the budget, in whole blocks, at kv_bytes_per_token
     budget             device total x --gpu-memory-utilization (CUDA), or --kv-cache-memory
 
-If the weights, the reserve and one full-length sequence's KV do not fit in the budget, startup
-stops before allocating anything, with the plan and the flags that would make it fit.
+The per-token and per-slot sizes come from the cache layout (executor/cache_layout.py). If the
+weights, the reserve, the state slots and one full-length sequence's KV do not fit in the
+budget, startup stops before allocating anything, with the plan and the flags that would make
+it fit.
 """
 
 from __future__ import annotations
@@ -38,9 +43,15 @@ class MemoryPlan:
     kv_bytes_per_token: int
     block_size: int
     max_model_len: int
-    max_num_seqs: int
+    requested_max_num_seqs: int | str  # --max-num-seqs: a count or "auto"
     num_kv_blocks: int = 0
     runtime_overhead_bytes: int = 0
+    state_bytes_per_slot: int = 0  # 0: the model keeps no per-request state
+    requested_checkpoint_slots: int | str = 0  # --state-checkpoint-slots: a count or "auto"
+    # Resolved by fit_kv_blocks (and, for "auto" without state, from the KV capacity after it).
+    max_num_seqs: int = 0
+    num_checkpoint_slots: int = 0
+    cache_summary: list[str] = field(default_factory=list)  # CacheLayout.summary()
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -56,12 +67,23 @@ class MemoryPlan:
         return self.num_kv_blocks * self.block_size
 
     @property
+    def num_state_slots(self) -> int:
+        """Slots the scheduler hands out (running sequences and checkpoints; the padding slot
+        comes on top), 0 for a model without per-request state."""
+        return self.max_num_seqs + self.num_checkpoint_slots if self.state_bytes_per_slot else 0
+
+    @property
+    def state_cache_bytes(self) -> int:
+        return self.state_bytes_per_slot * (self.num_state_slots + 1) if self.state_bytes_per_slot else 0
+
+    @property
     def predicted_bytes(self) -> int:
-        return self.weight_bytes + self.activation_reserve_bytes + self.kv_cache_bytes
+        return self.weight_bytes + self.activation_reserve_bytes + self.kv_cache_bytes + self.state_cache_bytes
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(kv_cache_bytes=self.kv_cache_bytes, kv_capacity_tokens=self.kv_capacity_tokens,
+                   num_state_slots=self.num_state_slots, state_cache_bytes=self.state_cache_bytes,
                    predicted_bytes=self.predicted_bytes)
         return out
 
@@ -76,9 +98,18 @@ class MemoryPlan:
             ("KV bytes per token", f"{self.kv_bytes_per_token:,}"),
             ("KV cache", f"{self.kv_cache_bytes / GiB:.2f} GiB = {self.num_kv_blocks:,} blocks x {self.block_size} "
                          f"tokens = {self.kv_capacity_tokens:,} tokens"),
+        ]
+        if self.state_bytes_per_slot:
+            rows += [
+                ("state bytes per request", f"{self.state_bytes_per_slot:,}"),
+                ("state slots", f"{self.state_cache_bytes / GiB:.2f} GiB = {self.max_num_seqs} running + "
+                                f"{self.num_checkpoint_slots} prefix checkpoints + 1 padding"),
+            ]
+        rows += [
             ("context length", f"{self.max_model_len:,} tokens"),
             ("max running sequences", f"{self.max_num_seqs}"),
         ]
+        rows += [("cache", line) for line in self.cache_summary]
         width = max(len(name) for name, _ in rows)
         lines = [f"  {name:<{width}}  {value}" for name, value in rows]
         lines += [f"  note: {note}" for note in self.notes]
@@ -109,27 +140,70 @@ def estimate_activation_bytes(hf_config, dtype: torch.dtype, max_num_batched_tok
     return max_num_batched_tokens * per_token + logits
 
 
+def _left_for_caches(plan: MemoryPlan) -> int:
+    return plan.budget_bytes - plan.weight_bytes - plan.activation_reserve_bytes - plan.runtime_overhead_bytes
+
+
+def _typical_seq_tokens(max_model_len: int) -> int:
+    return max(1, min(max_model_len // 4, 4096))
+
+
+def _resolve_state_slots(plan: MemoryPlan) -> None:
+    """Running sequences and checkpoints of a model with per-request state, before the blocks:
+    `auto` running sequences as many as fit at a quarter of the context each (KV and state, the
+    checkpoints counted in), between 8 and 1024, a multiple of 8; `auto` checkpoints a quarter of
+    that, at least 8."""
+    auto_checkpoints = plan.requested_checkpoint_slots == "auto"
+    if plan.requested_max_num_seqs == "auto":
+        per_seq = (_typical_seq_tokens(plan.max_model_len) * plan.kv_bytes_per_token
+                   + plan.state_bytes_per_slot * (1.25 if auto_checkpoints else 1.0))
+        fixed = plan.state_bytes_per_slot * (1 + (0 if auto_checkpoints else plan.requested_checkpoint_slots))
+        plan.max_num_seqs = max(8, min(1024, int(max(0, _left_for_caches(plan) - fixed) // per_seq) // 8 * 8))
+    else:
+        plan.max_num_seqs = int(plan.requested_max_num_seqs)
+    plan.num_checkpoint_slots = (max(8, plan.max_num_seqs // 4) if auto_checkpoints
+                                 else int(plan.requested_checkpoint_slots))
+
+
 def fit_kv_blocks(plan: MemoryPlan, fixed_blocks: int | None = None) -> MemoryPlan:
-    """Fill the plan's KV cache from what the budget leaves; refuse a plan that cannot hold one
-    full-length sequence."""
+    """Fill the plan's KV cache from what the budget leaves after the state slots; refuse a plan
+    that cannot hold one full-length sequence."""
     blocks_per_seq = -(-plan.max_model_len // plan.block_size)
+    if plan.state_bytes_per_slot:
+        _resolve_state_slots(plan)
+    else:
+        plan.num_checkpoint_slots = 0
+        plan.max_num_seqs = 0 if plan.requested_max_num_seqs == "auto" else int(plan.requested_max_num_seqs)
     if fixed_blocks is not None:
         plan.num_kv_blocks = fixed_blocks
         return plan
-    left = plan.budget_bytes - plan.weight_bytes - plan.activation_reserve_bytes - plan.runtime_overhead_bytes
-    blocks = max(0, left // plan.kv_bytes_per_block)
+    left = _left_for_caches(plan) - plan.state_cache_bytes
+    seqs_cap = plan.max_num_seqs or (1 << 30)  # 0: "auto", resolved from the capacity afterwards
+    blocks = max(0, left // plan.kv_bytes_per_block) if plan.kv_bytes_per_block else seqs_cap * blocks_per_seq
     if blocks < blocks_per_seq:
         plan.num_kv_blocks = blocks
+        state = (f" and {plan.num_state_slots + 1} state slots ({plan.state_cache_bytes / GiB:.2f} GiB)"
+                 if plan.state_bytes_per_slot else "")
         raise MemoryPlanError(
-            f"the model does not fit: after the weights and the activation reserve, the KV cache gets "
+            f"the model does not fit: after the weights, the activation reserve{state}, the KV cache gets "
             f"{blocks * plan.block_size:,} tokens but one full-length sequence needs {plan.max_model_len:,}.\n"
             f"{plan.table()}\n"
             "To make it fit: lower --max-model-len, raise --gpu-memory-utilization (or --kv-cache-memory), "
             "lower --max-num-batched-tokens (smaller activation reserve), use --kv-cache-dtype fp8, "
-            "or split the model with --tp-size.")
-    plan.num_kv_blocks = min(blocks, plan.max_num_seqs * blocks_per_seq)
-    if plan.num_kv_blocks < blocks:
-        plan.notes.append(f"KV cache capped at max_num_seqs x context ({plan.max_num_seqs} x {plan.max_model_len})")
+            + ("lower --max-num-seqs or --state-checkpoint-slots (fewer state slots), " if state else "")
+            + "or split the model with --tp-size.")
+    plan.num_kv_blocks = min(blocks, seqs_cap * blocks_per_seq)
+    note = f"KV cache capped at max_num_seqs x context ({plan.max_num_seqs} x {plan.max_model_len})"
+    if plan.num_kv_blocks < blocks and note not in plan.notes:  # fitted twice on CUDA: before and after measuring
+        plan.notes.append(note)
+    return plan
+
+
+def finish_plan(plan: MemoryPlan) -> MemoryPlan:
+    """After the blocks are fitted: `auto` running sequences of a model without state follow the
+    KV capacity."""
+    if not plan.max_num_seqs:
+        plan.max_num_seqs = resolve_max_num_seqs("auto", plan.kv_capacity_tokens, plan.max_model_len)
     return plan
 
 
@@ -138,8 +212,7 @@ def resolve_max_num_seqs(requested: int | str, capacity_tokens: int, max_model_l
     tokens each), between 8 and 1024, a multiple of 8."""
     if requested != "auto":
         return int(requested)
-    typical = max(1, min(max_model_len // 4, 4096))
-    seqs = capacity_tokens // typical
+    seqs = capacity_tokens // _typical_seq_tokens(max_model_len)
     return max(8, min(1024, seqs // 8 * 8))
 
 
@@ -149,9 +222,12 @@ def memory_ledger(engine) -> dict:
     runner = engine.runner
     device = runner.device
     weights = parameter_bytes(runner.model) + sum(b.numel() * b.element_size() for b in runner.model.buffers())
-    kv_cache = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+    caches = runner.caches
+    kv_cache = sum(c.numel() * c.element_size() for c in caches.paged) if caches else 0
+    state_cache = sum(c.numel() * c.element_size() for c in caches.states) if caches else 0
     graphs = runner.graphs.memory_bytes if runner.graphs is not None else 0
     ledger = {"device": str(device), "weights_bytes": weights, "kv_cache_bytes": kv_cache,
+              "state_cache_bytes": state_cache,
               "activation_reserve_bytes": engine.memory_plan.activation_reserve_bytes,
               "activation_reserve_measured": engine.memory_plan.activation_measured,
               "cuda_graphs_bytes": graphs}
@@ -160,6 +236,6 @@ def memory_ledger(engine) -> dict:
         allocated = torch.cuda.memory_allocated(device)
         ledger.update(total_bytes=total, free_bytes=free, torch_allocated_bytes=allocated,
                       torch_reserved_bytes=torch.cuda.memory_reserved(device),
-                      other_torch_bytes=max(0, allocated - weights - kv_cache))
+                      other_torch_bytes=max(0, allocated - weights - kv_cache - state_cache))
     ledger["plan"] = engine.memory_plan.to_dict()
     return ledger

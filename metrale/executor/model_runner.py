@@ -1,8 +1,12 @@
 """The model runner: the only place that builds tensors.
 
-It keeps each running request's tokens and block table (sent whole once, then as diffs), turns
-a SchedulerOutput into one flattened batch (input ids, positions, slot mapping, block tables,
-sequence lengths), runs the model under a ForwardContext, and samples where the logits are.
+It keeps each running request's tokens, block table and state slot (sent whole once, then as
+diffs), turns a SchedulerOutput into one BatchLayout (input ids, positions, slot mapping, block
+tables, sequence lengths, state slots), runs the model under a ForwardContext whose metadata
+each cache kind's backend builds from that layout, and samples where the logits are.
+
+A step on the device, in order: block copies and state restores the plan asks for, the forward
+pass, state checkpoints (`state_saves`), the sampler.
 """
 
 from __future__ import annotations
@@ -13,24 +17,44 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from metrale.config.cache_config import CacheConfig
 from metrale.config.model_config import ModelConfig
-from metrale.engine.request import PLACEHOLDER  # its value is on the device; the next step's input takes it there
-from metrale.engine.sampling_params import SamplingParams
-from metrale.engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from metrale.executor.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from metrale.executor.sampler import SampledTokens, SamplingRow, sample, sample_tokens
-from metrale.layers.attention.backend import get_backend
-from metrale.layers.attention.layer import Attention
+from metrale.executor.cache_layout import CacheLayout
+from metrale.executor.cache_tensors import CacheTensors
+from metrale.executor.sampler import SampledTokens, SamplingRow, sample_tokens
+from metrale.layers.cache_backend import CacheBackend, get_backend
+from metrale.layers.cache_spec import cached_layers
+from metrale.layers.forward_context import BatchLayout, ForwardContext, set_forward_context
+from metrale.messages.sampling_params import SamplingParams
+# A placeholder's value is on the device; the next step's input takes it there.
+from metrale.messages.scheduler_output import PLACEHOLDER, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+
+@dataclass
+class RunnerRequest:
+    """What the runner keeps of a request between steps. `token_ids` grows by the sampled tokens
+    (placeholders until they are read), `block_ids` by each step's new blocks."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    state_slot: int
+
+    @classmethod
+    def of(cls, new: NewRequestData) -> "RunnerRequest":
+        return cls(new.token_ids, new.num_prompt_tokens, new.sampling_params, new.seed, new.block_ids,
+                   new.num_computed_tokens, new.state_slot)
 
 
 @dataclass
 class BatchInputs:
     input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata
+    layout: BatchLayout
     logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
     sampled_request_ids: list[str]
 
@@ -74,28 +98,32 @@ class PendingOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, device: torch.device,
-                 block_size: int, attention_backend: str = "auto", kv_cache_dtypes: list | None = None):
+                 cache_config: CacheConfig, backend: str = "auto"):
         self.model = model
         self.model_config = model_config
         self.device = device
-        self.block_size = block_size
-        self.backend = get_backend(attention_backend, device)
-        # Each request this runner knows: the plan's NewRequestData, adopted as the runner's own
-        # state (its token_ids grow by the sampled tokens, its block_ids by each step's blocks).
-        self.requests: dict[str, NewRequestData] = {}
-        self.kv_caches: list[torch.Tensor] = []  # per layer: [2, num_blocks, block_size, kv_heads, head_dim]
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.layers = cached_layers(model)
+        self.layout = CacheLayout.of(model, cache_config)
+        # One backend per kind of cache the model keeps (attention, gdn, ...).
+        self.backends: dict[str, CacheBackend] = {kind: get_backend(kind, backend, device)
+                                                  for kind in self.layout.kinds}
+        self.requests: dict[str, RunnerRequest] = {}
+        self.caches: CacheTensors | None = None
         self._pin = device.type == "cuda"
         self.graphs = None  # DecodeGraphs, once captured
         # The last launched step's sampled tokens on the device, and each request's row in them.
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
-        layers = self.attention_layers()
-        # The KV element type of each attention layer, in model order (an fp8 cache may keep some
-        # layers in the model dtype).
-        self.kv_cache_dtypes = kv_cache_dtypes or [model_config.dtype] * len(layers)
-        for layer, dtype in zip(layers, self.kv_cache_dtypes):
-            if dtype != torch.float8_e4m3fn:  # scales mean something only to an fp8 cache
-                layer.k_scale = layer.v_scale = 1.0
+
+    @property
+    def backend_names(self) -> str:
+        return ", ".join(f"{kind} {backend.name}" for kind, backend in self.backends.items()) or "none"
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return self.device.type == "cuda" and all(b.supports_cuda_graphs for b in self.backends.values())
 
     def release_cuda_graphs(self) -> None:
         """Back to eager decode steps (before shutting a multi-rank engine's groups down)."""
@@ -106,113 +134,43 @@ class ModelRunner:
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         from metrale.executor.cuda_graphs import DecodeGraphs
 
-        if self.device.type != "cuda" or not self.backend.supports_cuda_graphs:
+        if not self.supports_cuda_graphs:
             return
         max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.backend, self.device, max_num_seqs, max_blocks, max_model_len)
+        self.graphs = DecodeGraphs(self, max_num_seqs, max_blocks, max_model_len)
         self.graphs.capture()
 
-    # -- the KV cache --------------------------------------------------------------------------
+    # -- the caches ----------------------------------------------------------------------------
 
-    @staticmethod
-    def attention_layers_of(model: torch.nn.Module) -> list[Attention]:
-        return [m for m in model.modules() if isinstance(m, Attention)]
+    def allocate_caches(self, num_blocks: int, num_state_slots: int) -> None:
+        """The paged caches at `num_blocks` blocks, and `num_state_slots` request slots of state
+        (plus the padding slot) when the model keeps any."""
+        self.release_caches()
+        slots = num_state_slots + 1 if self.layout.has_state else 0
+        self.caches = CacheTensors(self.layers, self.layout, num_blocks, slots, self.device)
 
-    def attention_layers(self) -> list[Attention]:
-        return self.attention_layers_of(self.model)
+    def release_caches(self) -> None:
+        if self.caches is not None:
+            self.caches.release()
+            self.caches = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
-    def kv_bytes_per_block(self) -> int:
-        return sum(2 * self.block_size * layer.num_kv_heads * layer.head_dim * dtype.itemsize
-                   for layer, dtype in zip(self.attention_layers(), self.kv_cache_dtypes))
+    @property
+    def padding_slot(self) -> int:
+        return self.caches.padding_slot if self.caches is not None and self.layout.has_state else 0
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer, bound to it."""
-        self.kv_caches = []
-        for layer, dtype in zip(self.attention_layers(), self.kv_cache_dtypes):
-            cache = torch.empty(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
-                                dtype=dtype, device=self.device)
-            layer.kv_cache = (cache[0], cache[1])
-            self.kv_caches.append(cache)
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        sources = torch.tensor([s for s, _ in pairs], device=self.device)
-        destinations = torch.tensor([d for _, d in pairs], device=self.device)
-        for cache in self.kv_caches:
-            cache[:, destinations] = cache[:, sources]
-
-    @torch.inference_mode()
-    def profile_activation_bytes(self, num_tokens: int, num_sampled: int, max_model_len: int) -> int:
-        """Peak transient memory of the largest step, measured on CUDA: a forward pass over
-        `num_tokens` tokens (as sequences of at most `max_model_len`), then logits and the sampler
-        for `num_sampled` rows. A throwaway KV cache just large enough is used and freed."""
-        lengths = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
-        self.allocate_kv_cache(sum(-(-n // self.block_size) for n in lengths))
-        plan = self.prefill_plan([[1] * n for n in lengths], "__profile")
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        hidden = self.forward_whole(plan)
-        rows = min(num_sampled, hidden.shape[0])
-        logits = self.model.compute_logits(hidden[:rows])
-        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
-        sample(logits, [SamplingRow(params, i, [1], 1) for i in range(rows)])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        del hidden, logits
-        self.requests.clear()
-        self.release_kv_cache()
-        return peak
-
-    @torch.inference_mode()
-    def calibrate_kv_scales(self, token_ids: list[int], headroom: float, max_model_len: int) -> None:
-        """Set each fp8 layer's K and V scale from the largest values a forward pass over
-        `token_ids` produces (in chunks of at most max_model_len): amax x headroom maps to 448."""
-        layers = self.attention_layers()
-        for layer in layers:
-            layer.observed_amax = [0.0, 0.0]
-        for start in range(0, len(token_ids), max_model_len):  # one sequence at a time, from block 0
-            self.forward_whole(self.prefill_plan([token_ids[start:start + max_model_len]], "__calibrate"))
-            self.requests.clear()
-        for layer, dtype in zip(layers, self.kv_cache_dtypes):
-            k_amax, v_amax = layer.observed_amax
-            layer.observed_amax = None
-            if dtype == torch.float8_e4m3fn:
-                layer.k_scale = max(k_amax * headroom / 448.0, 1e-6)
-                layer.v_scale = max(v_amax * headroom / 448.0, 1e-6)
-
-    def prefill_plan(self, sequences: list[list[int]], tag: str) -> SchedulerOutput:
-        """A plan computing whole `sequences` at once, laid out in consecutive blocks from block 0
-        (startup passes only: nothing else holds the pool then)."""
-        plan, first_block = SchedulerOutput(), 0
-        for i, tokens in enumerate(sequences):
-            blocks = -(-len(tokens) // self.block_size)
-            plan.new_requests.append(NewRequestData(f"{tag}_{i}", tokens, len(tokens), SamplingParams(temperature=0),
-                                                    0, list(range(first_block, first_block + blocks)), 0))
-            plan.num_scheduled_tokens[f"{tag}_{i}"] = len(tokens)
-            first_block += blocks
-        return plan
-
-    def forward_whole(self, plan: SchedulerOutput) -> torch.Tensor:
-        """The hidden states of every token of a startup plan (no sampling)."""
-        self._apply_plan(plan)
-        batch = self.prepare_inputs(plan)
-        with set_forward_context(ForwardContext(batch.metadata, self.backend)):
-            return self.model(batch.input_ids, batch.positions)
-
-    def release_kv_cache(self) -> None:
-        for layer in self.attention_layers():
-            layer.kv_cache = None
-        self.kv_caches = []
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+    def forward_context(self, layout: BatchLayout) -> ForwardContext:
+        return ForwardContext(layout, {kind: b.build_metadata(layout) for kind, b in self.backends.items()},
+                              self.backends)
 
     # -- one step ------------------------------------------------------------------------------
 
-    def _apply_plan(self, plan: SchedulerOutput) -> None:
+    def apply_plan(self, plan: SchedulerOutput) -> None:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in plan.new_requests:
-            self.requests[new.request_id] = new  # the scheduler built its lists for this plan alone
+            self.requests[new.request_id] = RunnerRequest.of(new)  # the scheduler built its lists for this plan alone
         for cached in plan.cached_requests:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -270,36 +228,41 @@ class ModelRunner:
             wide["hole_rows"] = np.fromiter((self._last_rows[scheduled[i][0]] for i in seq_index[holes]),
                                             dtype=np.int64, count=holes.size)
         dev = self._upload(wide, torch.int64)
-        dev.update(self._upload({"tables": tables, "seq_lens": seq_lens, "query_start": query_start}, torch.int32))
+        state_slots = np.fromiter((st.state_slot for _, st, _ in scheduled), dtype=np.int64, count=num_seqs)
+        dev.update(self._upload({"tables": tables, "seq_lens": seq_lens, "query_start": query_start,
+                                 "state_slots": state_slots, "has_state": starts > 0}, torch.int32))
         if holes.size:
             dev["input_ids"][dev["holes"]] = self._last_tokens[dev["hole_rows"]]
-        metadata = AttentionMetadata(
-            slot_mapping=dev["slots"], block_tables=dev["tables"], seq_lens=dev["seq_lens"],
-            query_start_loc=dev["query_start"],
-            max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
-            seq_lens_cpu=seq_lens.tolist(), query_lens_cpu=query_lens.tolist())
-        return BatchInputs(dev["input_ids"], dev["positions"], metadata, dev["logits_indices"],
-                           [scheduled[i][0] for i in sampled_rows])
+        layout = BatchLayout(
+            positions=dev["positions"], query_start_loc=dev["query_start"], seq_lens=dev["seq_lens"],
+            block_tables=dev["tables"], slot_mapping=dev["slots"], state_slots=dev["state_slots"],
+            has_initial_state=dev["has_state"], max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()), query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
+            is_pure_decode=bool(query_lens.max() == 1 and starts.min() > 0))
+        return BatchInputs(dev["input_ids"], layout, dev["logits_indices"], [scheduled[i][0] for i in sampled_rows])
 
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_async(plan).result()
+    def forward(self, batch: BatchInputs) -> torch.Tensor:
+        """The hidden states of every token of the batch."""
+        with set_forward_context(self.forward_context(batch.layout)):
+            return self.model(batch.input_ids, batch.layout.positions)
 
     @torch.inference_mode()
     def execute_async(self, plan: SchedulerOutput) -> PendingOutput:
         """Launch one step. Each sampled request gets a placeholder token until `result()`."""
-        self._apply_plan(plan)
-        if plan.block_copies:
-            self.copy_blocks(plan.block_copies)
+        self.apply_plan(plan)
+        self.caches.copy_blocks(plan.block_copies)
+        self.caches.copy_slots(plan.state_restores)
         if plan.is_empty:
             return PendingOutput(self, [], [], None)
         batch = self.prepare_inputs(plan)
         num_tokens = batch.input_ids.shape[0]
-        if (self.graphs is not None and batch.metadata.is_pure_decode
+        if (self.graphs is not None and batch.layout.is_pure_decode
                 and len(batch.sampled_request_ids) == num_tokens and self.graphs.can_run(num_tokens)):
-            logits = self.graphs.run(batch.input_ids, batch.positions, batch.metadata)
+            logits = self.graphs.run(batch.input_ids, batch.layout)
+            self.caches.copy_slots(plan.state_saves)
         else:
-            with set_forward_context(ForwardContext(batch.metadata, self.backend)):
-                hidden = self.model(batch.input_ids, batch.positions)
+            hidden = self.forward(batch)
+            self.caches.copy_slots(plan.state_saves)
             if not batch.sampled_request_ids:
                 return PendingOutput(self, [], [], None)
             logits = self.model.compute_logits(hidden[batch.logits_indices])

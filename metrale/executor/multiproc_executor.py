@@ -11,8 +11,8 @@ import logging
 import weakref
 
 from metrale.distributed.launch import ParallelRuntime, WorkerDiedError
-from metrale.distributed.worker import STOP_MESSAGE, StepChannel, step_message
-from metrale.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from metrale.distributed.step_channel import STOP_MESSAGE, StepChannel, step_message
+from metrale.messages.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from metrale.executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from metrale.engine.sampling_params import SamplingParams
-from metrale.engine.scheduler_output import TokenLogprobs
+from metrale.messages.sampling_params import SamplingParams
+from metrale.messages.scheduler_output import TokenLogprobs
 from metrale.kernels import use_triton
 
 _MASK64 = (1 << 64) - 1

@@ -70,27 +70,54 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections of one input stacked in one matmul (gate and up)."""
+    """Several column-parallel projections of one input stacked in one matmul (gate and up). Each
+    is split over the TP ranks on its own: a rank's output is its part of every projection."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        tp = get_tp_group()
+        for size in output_sizes:
+            divide(size, tp.size, "output size")
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def weight_loader(self, param, loaded, shard_id: int = 0):
-        tp = self.tp
-        local = [size // tp.size for size in self.output_sizes]
-        offset = sum(local[:shard_id])
-        part = loaded.narrow(0, tp.rank * local[shard_id], local[shard_id])
-        _copy_checked(param.data.narrow(0, offset, local[shard_id]), part, f"{type(self).__name__}[{shard_id}]")
+    def weight_loader(self, param, loaded, shard_id: int | tuple[int, ...] = 0):
+        """`shard_id`: which projection `loaded` is; a tuple: several, concatenated in order."""
+        if isinstance(shard_id, tuple):
+            sizes = [self.output_sizes[shard] for shard in shard_id]
+            if sum(sizes) != loaded.shape[0]:
+                raise ValueError(f"{type(self).__name__}{list(shard_id)}: checkpoint rows {loaded.shape[0]} do not "
+                                 f"match {sum(sizes)}")
+            for shard, part in zip(shard_id, loaded.split(sizes)):
+                self.weight_loader(param, part, shard)
+            return
+        load_column_segments(param, loaded, [self.output_sizes[shard_id]],
+                             self.tp, param_offset=sum(self.output_sizes[:shard_id]) // self.tp.size,
+                             name=f"{type(self).__name__}[{shard_id}]")
+
+
+def load_column_segments(param: torch.Tensor, loaded: torch.Tensor, segments: list[int], tp, param_offset: int = 0,
+                         name: str = "parameter") -> None:
+    """`loaded` stacks `segments` (full sizes, along dim 0); each is split over the TP ranks, and
+    this rank's slices go into `param` back to back from row `param_offset`."""
+    if loaded.shape[0] != sum(segments):
+        raise ValueError(f"{name}: checkpoint rows {loaded.shape[0]} do not match {sum(segments)}")
+    full_offset, offset = 0, param_offset
+    for size in segments:
+        local = size // tp.size
+        _copy_checked(param.data.narrow(0, offset, local), loaded.narrow(0, full_offset + tp.rank * local, local), name)
+        full_offset, offset = full_offset + size, offset + local
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V in one matmul. Heads split over the TP ranks; when there are fewer KV heads than
-    ranks, each KV head is replicated on tp_size // num_kv_heads ranks."""
+    ranks, each KV head is replicated on tp_size // num_kv_heads ranks. `q_per_head` > 1: each
+    query head's rows carry that many head_dim blocks (gated attention: the query, then its
+    output gate)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 q_per_head: int = 1):
         tp = get_tp_group()
-        self.head_dim = head_dim
+        self.head_dim, self.q_per_head = head_dim, q_per_head
         self.num_heads = divide(num_heads, tp.size, "number of attention heads")
         if num_kv_heads >= tp.size:
             self.num_kv_heads = divide(num_kv_heads, tp.size, "number of KV heads")
@@ -98,12 +125,12 @@ class QKVParallelLinear(ColumnParallelLinear):
             divide(tp.size, num_kv_heads, "TP size over KV heads")
             self.num_kv_heads = 1
         self.total_num_kv_heads = num_kv_heads
-        output = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        output = (self.num_heads * q_per_head + 2 * self.num_kv_heads) * head_dim
         LinearBase.__init__(self, hidden_size, output, bias)
 
     @property
     def q_size(self) -> int:
-        return self.num_heads * self.head_dim
+        return self.num_heads * self.head_dim * self.q_per_head
 
     @property
     def kv_size(self) -> int:

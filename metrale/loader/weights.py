@@ -5,7 +5,9 @@ replacements, e.g. MiniMax's `block_sparse_moe` -> `mlp`); its `stacked_params` 
 qkv_proj, gate/up into gate_up_proj); and MoE expert tensors (per expert or stacked by
 transformers) into a FusedMoE layer's `w13` / `w2`. Each parameter's `weight_loader` takes this
 rank's slice. A piece the model needs but the checkpoint lacks is an error that names it, down
-to the shard and the expert.
+to the shard and the expert. Once every tensor is in, each module that defines
+`process_weights_after_loading()` re-lays out or derives what it computes from (a post-load hook:
+Gated DeltaNet's float32 decay rates; MLA's absorbed projections and quantized layouts next).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class _Mapping:
                     if isinstance(layer, FusedMoE) for p in ("w13", "w2")}
         self.stacked = getattr(model, "stacked_params", [])
         self.renames = getattr(model, "checkpoint_renames", ())
+        self.ignored_prefixes = getattr(model, "ignored_checkpoint_prefixes", ())
         self.skip_lm_head = getattr(model, "tied_embeddings", False)
 
     def expected_pieces(self) -> set:
@@ -61,7 +64,8 @@ class _Mapping:
         name = checkpoint_name
         for theirs, ours in self.renames:
             name = name.replace(theirs, ours)
-        if name.endswith(_IGNORED_SUFFIXES) or (self.skip_lm_head and name.startswith("lm_head.")):
+        if (name.endswith(_IGNORED_SUFFIXES) or name.startswith(self.ignored_prefixes)
+                or (self.skip_lm_head and name.startswith("lm_head."))):
             return set()
         target = expert_target(name)
         if target is not None and target[0] in self.moe:
@@ -104,6 +108,16 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         names = sorted(_describe(n, s) for n, s in missing)
         raise ModelLoadError(f"the checkpoint is missing {len(names)} tensor(s) the model needs, e.g. "
                              f"{', '.join(names[:5])}")
+    run_post_load_hooks(model)
+
+
+def run_post_load_hooks(model: nn.Module) -> None:
+    """Every module's `process_weights_after_loading()`, children before their parents."""
+    with torch.no_grad():
+        for module in reversed(list(model.modules())):
+            hook = getattr(module, "process_weights_after_loading", None)
+            if hook is not None:
+                hook()
 
 
 def dummy_checkpoint(hf_config, device: torch.device, dtype: torch.dtype, seed: int = 0):

@@ -20,9 +20,9 @@ from metrale.config.model_config import ModelConfig
 from metrale.distributed.parallel_state import get_tp_group
 from metrale.layers.linear import ReplicatedLinear
 from metrale.layers.moe import FusedMoE
-from metrale.layers.rotary import RotaryEmbedding, rope_parameters
+from metrale.layers.rotary import rope_parameters
+from metrale.models.common import CausalLM
 from metrale.models.llama import LlamaAttention
-from metrale.models.qwen3_moe import MoECausalLM, MoEDecoderLayer
 
 
 class FullWidthRMSNorm(nn.Module):
@@ -52,19 +52,19 @@ class FullWidthRMSNorm(nn.Module):
 
 
 class MiniMaxM2Attention(LlamaAttention):
-    def __init__(self, config: ModelConfig):
-        super().__init__(config, qkv_bias=False, o_bias=False)
+    def __init__(self, config: ModelConfig, layer_index: int):
         hf, head_dim, tp = config.hf_config, config.head_dim, get_tp_group()
         rotary_dim = int(head_dim * rope_parameters(hf).get("partial_rotary_factor", 1.0))
-        self.rotary_emb = RotaryEmbedding(hf, head_dim, config.max_model_len, rotary_dim=rotary_dim)
+        super().__init__(config, layer_index, qkv_bias=False, o_bias=False, rotary_dim=rotary_dim)
         replicas = max(1, tp.size // config.num_kv_heads)
-        self.q_norm = FullWidthRMSNorm(config.num_attention_heads * head_dim, self.num_heads * head_dim,
+        self.q_norm = FullWidthRMSNorm(config.num_attention_heads * head_dim, self.qkv_proj.q_size,
                                        hf.rms_norm_eps, shard_index=tp.rank)
-        self.k_norm = FullWidthRMSNorm(config.num_kv_heads * head_dim, self.num_kv_heads * head_dim,
+        self.k_norm = FullWidthRMSNorm(config.num_kv_heads * head_dim, self.qkv_proj.kv_size,
                                        hf.rms_norm_eps, shard_index=tp.rank // replicas, replicas=replicas)
 
-    def transform_qk(self, q, k):
-        return self.q_norm(q.flatten(1)).view_as(q), self.k_norm(k.flatten(1)).view_as(k)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split_qkv(hidden)  # q and k normalised over their whole (full-width) projection
+        return self.o_proj(self.attn(positions, self.q_norm(q), self.k_norm(k), v))
 
 
 class MiniMaxM2SparseBlock(nn.Module):
@@ -79,9 +79,9 @@ class MiniMaxM2SparseBlock(nn.Module):
         return self.experts(hidden, self.gate(hidden))
 
 
-class MiniMaxM2ForCausalLM(MoECausalLM):
+class MiniMaxM2ForCausalLM(CausalLM):
     checkpoint_renames = ((".block_sparse_moe.", ".mlp."),
                           (".mlp.e_score_correction_bias", ".mlp.experts.e_score_correction_bias"))
 
-    def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
-        return MoEDecoderLayer(config, MiniMaxM2Attention(config), MiniMaxM2SparseBlock(config))
+    def make_layer(self, config: ModelConfig, layer_index: int) -> nn.Module:
+        return self.decoder_layer(config, MiniMaxM2Attention(config, layer_index), MiniMaxM2SparseBlock(config))

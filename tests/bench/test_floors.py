@@ -5,7 +5,7 @@ import torch
 from metrale.bench.hardware import HardwareRates, decode_floor, offline_floor
 from metrale.bench.workload import random_workload, step_weight_bytes, weights_read_per_step
 from metrale.config.model_config import load_model_config
-from metrale.engine.startup import resolve_model_dir
+from metrale.startup.model_source import resolve_model_dir
 from metrale.models.registry import get_model_class, supported_architectures
 
 RATES = HardwareRates("test", 4e12, 800e12)

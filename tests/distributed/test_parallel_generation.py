@@ -319,7 +319,7 @@ def test_met_generate_with_tp_size(checkpoint):
 def test_torchrun_launches_every_rank(checkpoint):
     path, prompt = checkpoint("qwen3"), "Hello, world!"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), "-m", "metrale.distributed.worker",
+                           "--master-port", str(free_port()), "-m", "metrale.entrypoints.worker",
                            "generate", "--model", path, "--prompt", prompt, "--max-tokens", str(NEW_TOKENS),
                            "--device", "cpu", "--tp-size", "2"],
                           capture_output=True, text=True, env=_env(), timeout=180)

@@ -9,7 +9,8 @@ import msgpack
 import pytest
 
 from metrale.distributed import parallel_state
-from metrale.distributed.launch import is_loopback, moe_layout, moe_reduce_group, topology_from_args, torchrun_env
+from metrale.distributed.launch import is_loopback, topology_from_args, torchrun_env
+from metrale.distributed.moe_layout import moe_layout, moe_reduce_group
 from metrale.distributed.topology import (Topology, TopologyError, check_attention_heads, check_expert_layout,
                                           parallel_sizes, resolve_topology)
 
@@ -203,9 +204,9 @@ def test_loopback_addresses():
 
 
 def test_step_message_round_trips_through_msgpack():
-    from metrale.distributed.worker import step_message
-    from metrale.engine.sampling_params import SamplingParams
-    from metrale.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+    from metrale.distributed.step_channel import step_message
+    from metrale.messages.sampling_params import SamplingParams
+    from metrale.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=-3, stop=["x"], stop_token_ids=[4],
                             logprobs=2, repetition_penalty=1.1, eos_token_ids=[9])
@@ -242,15 +243,15 @@ class _FakeRunner:
 
 
 def _message(step, read_first, sampled):
-    from metrale.distributed.worker import step_message
-    from metrale.engine.scheduler_output import SchedulerOutput
+    from metrale.distributed.step_channel import step_message
+    from metrale.messages.scheduler_output import SchedulerOutput
 
     return msgpack.unpackb(msgpack.packb(step_message(step, SchedulerOutput([], [], {}, [], []), read_first, sampled),
                                          use_bin_type=True), raw=False, strict_map_key=False)
 
 
 def test_a_worker_follows_rank_zeros_order_of_launches_and_reads():
-    from metrale.distributed.worker import StepFollower
+    from metrale.distributed.step_channel import StepFollower
 
     runner = _FakeRunner()
     follower = StepFollower(runner)
@@ -262,7 +263,7 @@ def test_a_worker_follows_rank_zeros_order_of_launches_and_reads():
 
 
 def test_a_worker_takes_rank_zeros_tokens_when_nothing_was_built_on_its_own():
-    from metrale.distributed.worker import StepFollower
+    from metrale.distributed.step_channel import StepFollower
 
     runner = _FakeRunner(draws={0: 7})  # this rank drew 7 where rank 0 drew 100
     follower = StepFollower(runner)
@@ -272,7 +273,7 @@ def test_a_worker_takes_rank_zeros_tokens_when_nothing_was_built_on_its_own():
 
 
 def test_a_worker_reports_tokens_it_can_no_longer_take_back(caplog):
-    from metrale.distributed.worker import StepFollower
+    from metrale.distributed.step_channel import StepFollower
 
     runner = _FakeRunner(draws={0: 7})
     follower = StepFollower(runner)
@@ -284,7 +285,7 @@ def test_a_worker_reports_tokens_it_can_no_longer_take_back(caplog):
 
 
 def test_workers_adopt_rank_zeros_tokens():
-    from metrale.distributed.worker import adopt_sampled
+    from metrale.distributed.step_channel import adopt_sampled
 
     runner = SimpleNamespace(requests={"a": SimpleNamespace(token_ids=[1, 2, 3]),
                                        "b": SimpleNamespace(token_ids=[4, 5])})
@@ -312,7 +313,7 @@ def _plan():
 
 def test_every_rank_takes_the_smallest_kv_pool():
     from metrale.config.engine_args import EngineArgs
-    from metrale.engine.startup import _fit_kv_blocks_on_every_rank
+    from metrale.startup.memory import fit_kv_blocks_on_every_rank as _fit_kv_blocks_on_every_rank
 
     plan = _plan()
     _fit_kv_blocks_on_every_rank(plan, EngineArgs(), _FakeParallel(others_min=60))
@@ -325,7 +326,7 @@ def test_every_rank_takes_the_smallest_kv_pool():
 
 def test_a_rank_that_cannot_fit_stops_every_rank():
     from metrale.config.engine_args import EngineArgs
-    from metrale.engine.startup import _fit_kv_blocks_on_every_rank
+    from metrale.startup.memory import fit_kv_blocks_on_every_rank as _fit_kv_blocks_on_every_rank
     from metrale.executor.memory_plan import MemoryPlanError
 
     with pytest.raises(MemoryPlanError, match="another rank's memory plan does not fit"):

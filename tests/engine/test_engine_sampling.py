@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from metrale import LLM, SamplingParams
-from metrale.engine.sampling_params import SamplingParamsError
+from metrale.messages.sampling_params import SamplingParamsError
 from metrale.executor.sampler import SamplingRow, _filter, sample
 
 
@@ -136,7 +136,7 @@ def test_logit_bias_forces_and_bans_tokens(llm):
 
 
 def test_logit_bias_is_validated(llm):
-    from metrale.engine.errors import InvalidRequestError
+    from metrale.messages.errors import InvalidRequestError
 
     with pytest.raises(SamplingParamsError, match="logit_bias"):
         SamplingParams(logit_bias={1: 1e9})

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from metrale import LLM, SamplingParams
+from metrale.config.cache_config import CacheConfig
 from metrale.config.engine_args import EngineArgs
-from metrale.executor.forward_context import AttentionMetadata
+from metrale.layers.forward_context import AttentionMetadata
 from metrale.layers.attention.torch_backend import TorchAttentionBackend
 
 FP8 = torch.float8_e4m3fn
@@ -41,8 +42,8 @@ def test_fp8_cache_is_close_to_full_precision(family, checkpoint_factory):
 
     _, full = run()
     llm, fp8 = run(kv_cache_dtype="fp8", fp8_kv_calibration_tokens=256)
-    assert all(cache.dtype == FP8 for cache in llm.llm_engine.runner.kv_caches)
-    layers = llm.llm_engine.runner.attention_layers()
+    assert all(cache.dtype == FP8 for cache in llm.llm_engine.runner.caches.paged)
+    layers = llm.llm_engine.runner.layers
     assert all(layer.k_scale != 1.0 and layer.v_scale != 1.0 for layer in layers)  # calibrated
     check_logprobs_close(full, fp8)
     assert any(x.token_ids[0] == y.token_ids[0] for x, y in zip(full, fp8))
@@ -59,11 +60,11 @@ def test_pool_holds_twice_the_tokens_for_the_same_bytes(checkpoint_factory):
 def test_skip_layers_stay_in_model_dtype(checkpoint_factory):
     llm = LLM(checkpoint_factory("llama"), device="cpu", num_kv_blocks=16, kv_cache_dtype="fp8",
               kv_cache_dtype_skip_layers="1")
-    dtypes = [cache.dtype for cache in llm.llm_engine.runner.kv_caches]
+    dtypes = [cache.dtype for cache in llm.llm_engine.runner.caches.paged]
     assert dtypes == [FP8, torch.float32]
-    args = EngineArgs(kv_cache_dtype="fp8", kv_cache_dtype_skip_layers="1")
-    assert args.kv_cache_torch_dtype(0, torch.bfloat16) == FP8
-    assert args.kv_cache_torch_dtype(1, torch.bfloat16) == torch.bfloat16
+    config = CacheConfig.from_args(EngineArgs(kv_cache_dtype="fp8", kv_cache_dtype_skip_layers="1"), torch.bfloat16)
+    assert config.kv_dtype(0) == FP8
+    assert config.kv_dtype(1) == torch.bfloat16
     with pytest.raises(ValueError, match="layer indices"):
         EngineArgs(kv_cache_dtype_skip_layers="a,b")
 
@@ -78,10 +79,10 @@ def test_checkpoint_scales_are_used(checkpoint_factory, tmp_path):
     weights["model.layers.1.self_attn.v_scale"] = torch.tensor(0.25)
     save_file(weights, os.path.join(path, "model.safetensors"))
     llm = LLM(path, device="cpu", num_kv_blocks=16, kv_cache_dtype="fp8", fp8_kv_calibration_tokens=100)
-    layers = llm.llm_engine.runner.attention_layers()
+    layers = llm.llm_engine.runner.layers
     assert (layers[0].k_scale, layers[1].v_scale) == (0.5, 0.25)  # not recalibrated
     plain = LLM(path, device="cpu", num_kv_blocks=16)  # a full-precision cache ignores them
-    assert all(layer.k_scale == 1.0 for layer in plain.llm_engine.runner.attention_layers())
+    assert all(layer.k_scale == 1.0 for layer in plain.llm_engine.runner.layers)
 
 
 def test_reference_backend_quantises_with_scale_and_saturates():

@@ -1,10 +1,11 @@
 """Automatic prefix caching: block hashes, LRU reuse, copy-on-write of a fully cached prompt."""
 
-from metrale.engine.kv_cache_manager import KVCacheManager, block_hash
+from metrale.engine.block_pool import block_hash
+from metrale.engine.kv_cache_coordinator import KVCacheCoordinator
 from metrale.engine.request import Request
-from metrale.engine.sampling_params import SamplingParams
+from metrale.messages.sampling_params import SamplingParams
 from metrale.engine.scheduler import Scheduler
-from metrale.engine.scheduler_output import ModelRunnerOutput
+from metrale.messages.scheduler_output import ModelRunnerOutput
 
 
 def test_hash_chains_over_the_whole_prefix():
@@ -15,37 +16,50 @@ def test_hash_chains_over_the_whole_prefix():
     assert len(a) == 32  # SHA-256
 
 
+def _computed(kv, rid, tokens):
+    """A request admitted, computed whole, its blocks offered to later requests."""
+    r = Request(rid, list(tokens), SamplingParams(max_tokens=1), seed=0, extra_keys=extra.get(rid, ()))
+    kv.admit(r, kv.lookup(r), len(tokens))
+    kv.cache_computed(r, len(tokens))
+    return r
+
+
+extra: dict = {}
+
+
+def _hit(kv, rid, tokens, keys=()):
+    return kv.lookup(Request(rid, list(tokens), SamplingParams(max_tokens=1), seed=0, extra_keys=keys))
+
+
 def test_shared_prefix_blocks_are_reused_and_kept_after_free():
-    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    kv = KVCacheCoordinator(num_blocks=8, block_size=4, enable_prefix_caching=True)
     tokens = list(range(10))
-    kv.allocate_slots("a", 10)
-    kv.cache_full_blocks("a", tokens, 10)
+    _computed(kv, "a", tokens)
     table_a = kv.get_block_table("a")
-    assert kv.find_cached_prefix("b", tokens[:8] + [99, 98]) == table_a[:2]
+    assert _hit(kv, "b", tokens[:8] + [99, 98]).blocks == table_a[:2]
     kv.free("a")
     assert kv.num_free_blocks == 8
-    hits = kv.find_cached_prefix("c", tokens)
-    assert hits == table_a[:2]
-    kv.allocate_slots("c", 10, hits)
+    hit = _hit(kv, "c", tokens)
+    assert hit.blocks == table_a[:2] and hit.num_tokens == 8
+    kv.admit(Request("c", tokens, SamplingParams(max_tokens=1), seed=0), hit, 10)
     assert kv.get_block_table("c")[:2] == table_a[:2]
     assert kv.num_free_blocks == 5
 
 
 def test_eviction_takes_least_recently_used_and_forgets_hash():
-    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
-    kv.allocate_slots("a", 4)
-    kv.cache_full_blocks("a", [1, 2, 3, 4], 4)
+    kv = KVCacheCoordinator(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    _computed(kv, "a", [1, 2, 3, 4])
     kv.free("a")
-    kv.allocate_slots("b", 8)  # takes all four, evicting a's cached blocks
-    assert kv.find_cached_prefix("c", [1, 2, 3, 4]) == []
+    _computed(kv, "b", [9] * 8)  # takes all four, evicting a's cached blocks
+    assert _hit(kv, "c", [1, 2, 3, 4, 5]).blocks == []
 
 
 def test_other_extra_keys_never_share():
-    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
-    kv.allocate_slots("a", 4)
-    kv.cache_full_blocks("a", [1, 2, 3, 4], 4, ("lora-1",))
-    assert kv.find_cached_prefix("b", [1, 2, 3, 4], ("lora-2",)) == []
-    assert len(kv.find_cached_prefix("c", [1, 2, 3, 4], ("lora-1",))) == 2
+    kv = KVCacheCoordinator(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    extra["a"] = ("lora-1",)
+    _computed(kv, "a", [1, 2, 3, 4])
+    assert _hit(kv, "b", [1, 2, 3, 4, 5], ("lora-2",)).blocks == []
+    assert len(_hit(kv, "c", [1, 2, 3, 4, 5], ("lora-1",)).blocks) == 2
 
 
 def _request(rid, tokens, max_tokens=2):

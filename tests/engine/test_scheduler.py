@@ -3,9 +3,9 @@
 import pytest
 
 from metrale.engine.request import Request, RequestStatus
-from metrale.engine.sampling_params import SamplingParams
+from metrale.messages.sampling_params import SamplingParams
 from metrale.engine.scheduler import Scheduler
-from metrale.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from metrale.messages.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
 def make_scheduler(**kw):

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from metrale.engine.engine import LLMEngine
+from metrale.startup import build_llm_engine
 from metrale.config.engine_args import EngineArgs
-from metrale.engine.sampling_params import SamplingParams
+from metrale.messages.sampling_params import SamplingParams
 
 
 def soak(engine: LLMEngine, steps: int, seed: int = 0) -> dict:
@@ -57,7 +58,7 @@ def soak(engine: LLMEngine, steps: int, seed: int = 0) -> dict:
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_soak_with_random_aborts_returns_every_block(checkpoint_factory, prefix_caching):
     # A small pool, so preemption happens too.
-    engine = LLMEngine(EngineArgs(model=checkpoint_factory("llama"), device="cpu", num_kv_blocks=48, block_size=8,
+    engine = build_llm_engine(EngineArgs(model=checkpoint_factory("llama"), device="cpu", num_kv_blocks=48, block_size=8,
                                   max_num_batched_tokens=64, enable_prefix_caching=prefix_caching))
     counts = soak(engine, steps=80)
     assert counts["added"] > 30 and counts["aborted"] > 3
@@ -67,7 +68,7 @@ def test_soak_with_random_aborts_returns_every_block(checkpoint_factory, prefix_
 
 @pytest.mark.gpu
 def test_soak_on_gpu(checkpoint_factory):
-    engine = LLMEngine(EngineArgs(model=checkpoint_factory("qwen3"), device="cuda", dtype="bfloat16",
+    engine = build_llm_engine(EngineArgs(model=checkpoint_factory("qwen3"), device="cuda", dtype="bfloat16",
                                   num_kv_blocks=64, block_size=16, max_num_batched_tokens=128, max_num_seqs=16))
     assert engine.runner.graphs is not None
     counts = soak(engine, steps=400, seed=1)

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from metrale import LLM, SamplingParams
-from metrale.engine.errors import InvalidRequestError
+from metrale.messages.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ import torch
 
 from metrale.config.engine_args import EngineArgs
 from metrale.config.model_config import load_model_config
-from metrale.engine.startup import plan_memory, resolve_model_dir
+from metrale.startup.memory import plan_memory
+from metrale.startup.model_source import resolve_model_dir
 from metrale.executor.memory_plan import MemoryPlanError, fit_kv_blocks, resolve_max_num_seqs
 from metrale.models.registry import supported_architectures
 

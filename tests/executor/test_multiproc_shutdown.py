@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from metrale.distributed import worker
+from metrale.startup import worker_rank as worker
 from metrale.executor.multiproc_executor import _stop
 
 

@@ -3,7 +3,7 @@ filters, with penalties) and logprobs are those of the fp32 widening of the same
 
 import torch
 
-from metrale.engine.sampling_params import SamplingParams
+from metrale.messages.sampling_params import SamplingParams
 from metrale.executor.sampler import SamplingRow, sample
 
 

@@ -16,6 +16,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from metrale.kernels import causal_conv1d as CV
+from metrale.kernels import gated_delta_rule as GD
+from metrale.kernels import gated_delta_step as GS
 from metrale.kernels import gemv as G
 from metrale.kernels import paged_attention as A
 from metrale.kernels import qk_norm_rope as Q
@@ -77,6 +80,46 @@ KERNELS = {
         "eps": "fp32", "block_size": INT, "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
         {"NORM": True, "STORE_KV": True, "FP8": False, "HEAD_DIM": 128, "ROT_DIM": 128, "IS_NEOX": True,
          "HALF": 64, "BLOCK_HALF": 64, "BLOCK_D": 128, "BLOCK_H": 8, "PDL": True}, 1),
+    # Qwen3-Next-80B / Qwen3.5's Gated DeltaNet at tp=1: conv over 8192 channels (width 4, no bias,
+    # the conv state channels-contiguous), 16 key heads and 32 value heads of 128, bf16, fp32 state
+    "causal_conv1d._conv1d_varlen_kernel": (CV._conv1d_varlen_kernel, {
+        "x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "state_ptr": "*bf16", "out_ptr": "*bf16",
+        "qsl_ptr": I32, "blocks_ptr": I32, "slots_ptr": I32, "has_state_ptr": "*i1",
+        **{name: INT for name in ("channels", "stride_x", "stride_out", "stride_w", "stride_ss", "stride_sw")}},
+        {"stride_sc": 1, "KW": 4, "HAS_BIAS": False, "SILU": True, "BLOCK_T": 64, "BLOCK_C": 1024}, 4),
+    "causal_conv1d._conv1d_step_kernel": (CV._conv1d_step_kernel, {
+        "x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "state_ptr": "*bf16", "out_ptr": "*bf16",
+        "slots_ptr": I32,
+        **{name: INT for name in ("channels", "stride_x", "stride_out", "stride_w", "stride_ss", "stride_sw")}},
+        {"stride_sc": 1, "KW": 4, "HAS_BIAS": False, "SILU": True, "BLOCK_C": 1024, "PDL": True}, 4),
+    "gated_delta_step._gating_kernel": (GS._gating_kernel, {
+        "a_ptr": "*bf16", "b_ptr": "*bf16", "A_ptr": F32, "dt_bias_ptr": "*bf16", "g_ptr": F32,
+        "beta_ptr": "*bf16", **{name: INT for name in ("num_rows", "heads", "stride_a", "stride_b")}},
+        {"BLOCK_R": 64, "BLOCK_H": 32}, 4),
+    "gated_delta_step._step_kernel": (GS._step_kernel, {
+        "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16",
+        "A_ptr": F32, "dt_bias_ptr": "*bf16", "state_ptr": F32, "slots_ptr": I32, "out_ptr": "*bf16",
+        **{name: INT for name in ("stride_qn", "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh",
+                                  "stride_an", "stride_bn", "stride_ss", "stride_sh", "stride_on", "stride_oh",
+                                  "group")}, "scale": "fp32"},
+        {"DK": 128, "DV": 128, "BV": 32, "PDL": True}, 4),
+    "gated_delta_rule._prepare_kernel": (GD._prepare_kernel, {
+        "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": F32, "beta_ptr": "*bf16", "qsl_ptr": I32, "chunks_ptr": I32,
+        "w_ptr": "*bf16", "u_ptr": "*bf16", "G_ptr": F32,
+        **{name: INT for name in ("stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_gt", "stride_bt",
+                                  "value_heads", "group")}},
+        {"DK": 128, "DV": 128, "BD": 64, "CHUNK": 64, "SUB": 16, "FP32": False, "UPCAST": False}, 4),
+    "gated_delta_rule._state_kernel": (GD._state_kernel, {
+        "k_ptr": "*bf16", "w_ptr": "*bf16", "u_ptr": "*bf16", "G_ptr": F32, "qsl_ptr": I32, "first_chunk_ptr": I32,
+        "slots_ptr": I32, "has_state_ptr": "*i1", "state_ptr": F32, "h_ptr": "*bf16",
+        **{name: INT for name in ("stride_kt", "stride_kh", "stride_ss", "stride_sh", "value_heads", "group")}},
+        {"DK": 128, "DV": 128, "BV": 32, "CHUNK": 64, "FP32": False, "UPCAST": False}, 4),
+    "gated_delta_rule._output_kernel": (GD._output_kernel, {
+        "q_ptr": "*bf16", "k_ptr": "*bf16", "u_ptr": "*bf16", "G_ptr": F32, "h_ptr": "*bf16", "qsl_ptr": I32,
+        "chunks_ptr": I32, "out_ptr": "*bf16",
+        **{name: INT for name in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_ot", "stride_oh",
+                                  "value_heads", "group")}, "scale": "fp32"},
+        {"DK": 128, "DV": 128, "BV": 64, "CHUNK": 64, "FP32": False, "UPCAST": False}, 4),
 }
 
 
@@ -85,7 +128,10 @@ KERNELS = {
 # Triton specialises launches on both, so the check compiles with the same facts.
 ALIGNED_INTS = {"stride_qs", "stride_qh", "stride_os", "stride_oh", "stride_cb", "stride_co", "stride_ch",
                 "block_size", "stride_qt", "stride_kt", "stride_vt", "stride_kh", "stride_vh",
-                "N", "K", "stride_xm", "stride_wn", "stride_ym"}  # the GEMV at model shapes
+                "N", "K", "stride_xm", "stride_wn", "stride_ym",  # the GEMV at model shapes
+                # the Gated DeltaNet kernels: conv rows and channels, state slots and heads, q/k/v rows
+                "channels", "stride_x", "stride_out", "stride_ss", "stride_sw", "stride_sh", "stride_qn",
+                "stride_kn", "stride_vn", "stride_on", "stride_ot"}
 
 
 def _launch_attrs(kernel, types: dict) -> dict:

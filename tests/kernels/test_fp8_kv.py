@@ -4,7 +4,7 @@ backend with the same scales (CPU interpreter without CUDA)."""
 import pytest
 import torch
 
-from metrale.executor.forward_context import AttentionMetadata
+from metrale.layers.forward_context import AttentionMetadata
 from metrale.kernels import triton_available
 from metrale.layers.attention.torch_backend import TorchAttentionBackend
 

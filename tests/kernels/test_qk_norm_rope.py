@@ -201,7 +201,7 @@ def _tiny_qwen3_attention(device, dtype):
     torch.set_default_dtype(dtype)  # as the model loader builds layers (the rope cache stays fp32)
     try:
         with torch.device(device):
-            layer = Qwen3Attention(config)
+            layer = Qwen3Attention(config, layer_index=0)
     finally:
         torch.set_default_dtype(previous)
     g = torch.Generator().manual_seed(1)
@@ -216,23 +216,24 @@ def _tiny_qwen3_attention(device, dtype):
 def _layer_qk(layer, hidden):
     q, k, _ = layer.qkv_proj(hidden).split([layer.qkv_proj.q_size, layer.qkv_proj.kv_size,
                                             layer.qkv_proj.kv_size], dim=-1)
-    return q.reshape(-1, layer.num_heads, layer.head_dim), k.reshape(-1, layer.num_kv_heads, layer.head_dim)
+    attn = layer.attn
+    return q.reshape(-1, attn.num_heads, attn.head_dim), k.reshape(-1, attn.num_kv_heads, attn.head_dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qwen3_layer_fused_matches_unfused(device, dtype):
-    """A tiny Qwen3 attention layer: the fused kernel forced on its q/k vs the layer's own rotate step
-    (on CPU: the RMSNorm and RotaryEmbedding modules; on CUDA: the fused kernel, via rotate_qk)."""
-    from metrale.models.llama import LlamaAttention
-
+    """A tiny Qwen3 attention layer: the fused kernel forced on its q/k vs the norm and RoPE modules
+    one after the other, and vs the Attention layer's own norm-and-RoPE step (on CPU the modules;
+    on CUDA the fused kernel, which it picks for plain RMSNorms)."""
     layer = _tiny_qwen3_attention(device, dtype)
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(7, 96, generator=g).to(dtype=dtype, device=device)
     positions = torch.tensor([0, 1, 2, 3, 100, 17, 255], device=device)
     with torch.no_grad():
         q, k = _layer_qk(layer, hidden)
-        q_unfused, k_unfused = LlamaAttention.rotate_qk(layer, positions, q.clone(), k.clone())
-        q_layer, k_layer = layer.rotate_qk(positions, q.clone(), k.clone())  # fused on CUDA only
+        q_unfused, k_unfused = layer.rotary_emb(positions, layer.q_norm(q.clone()), layer.k_norm(k.clone()))
+        attn = layer.attn
+        q_layer, k_layer = attn._norm_and_rope(positions, q.clone(), k.clone(), attn._fusable_norm_weights())
         rope = layer.rotary_emb
         q_f, k_f = qk_norm_rope_triton(positions, q, k, layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps,
                                        rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style)

@@ -9,7 +9,7 @@ import pytest
 from checkpoints import load_reference, reference_greedy
 from metrale import LLM, SamplingParams
 from metrale.config.engine_args import EngineArgs
-from metrale.engine.engine import LLMEngine
+from metrale.startup import build_llm_engine
 
 LENGTHS = [1, 3, 17, 64, 100, 181, 250]
 
@@ -80,7 +80,7 @@ def test_soak_with_aborts_leaves_nothing_behind(checkpoint_factory):
     spec.loader.exec_module(module)
     soak = module.soak
 
-    engine = LLMEngine(EngineArgs(model=checkpoint_factory("llama"), device="cpu", num_kv_blocks=48, block_size=8,
+    engine = build_llm_engine(EngineArgs(model=checkpoint_factory("llama"), device="cpu", num_kv_blocks=48, block_size=8,
                                   max_num_batched_tokens=64, async_scheduling=True))
     counts = soak(engine, steps=80, seed=2)
     assert counts["added"] == counts["aborted"] + counts["finished"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import socket
 import sys
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 from metrale.config.engine_args import EngineArgs
 from metrale.engine.async_engine import AsyncEngine, EngineOverloadedError, EngineState
-from metrale.engine.errors import EngineDeadError
+from metrale.messages.errors import EngineDeadError
 from metrale.entrypoints.server.args import ServerConfig
 from metrale.entrypoints.server.chat import create_chat_completion
 from metrale.entrypoints.server.completions import create_completion
@@ -31,6 +32,7 @@ from metrale.entrypoints.server.gate import GateMiddleware
 from metrale.entrypoints.server.http_server import DrainingServer, LimitedH11Protocol
 from metrale.entrypoints.server.memory import MemoryReport
 from metrale.executor import oom_watchdog
+from metrale.startup import build_llm_engine
 from metrale.entrypoints.server.metrics import CONTENT_TYPE, ServerMetrics
 from metrale.entrypoints.server.prompts import PromptRenderer
 from metrale.entrypoints.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -149,13 +151,13 @@ async def _become_ready(state: ServerState, memory: list, started: float) -> Non
     except EngineDeadError:
         return  # DrainingServer sees the failed state and exits 1
     llm = state.engine.engine
-    args = state.engine.args
+    args = llm.args
     model_dir = llm.model_config.model_dir
     tokenizer_dir = None if args.skip_tokenizer_init else (args.tokenizer or model_dir)
     try:
         state.prompts = await asyncio.to_thread(PromptRenderer.load, tokenizer_dir, llm.model_config.vocab_size)
         memory.append(MemoryReport(state.engine))
-        oom_watchdog.start_for(llm, state.engine.args.oom_watchdog_mib)
+        oom_watchdog.start_for(llm, args.oom_watchdog_mib)
     except Exception as e:  # noqa: BLE001 - the server cannot serve; say why and exit
         logger.error("the server's tokenizer did not load: %s", e)
         state.lifecycle.exit_code = 1
@@ -202,7 +204,8 @@ def run_server(args) -> int:
     if config.port == 0:
         config = dataclasses.replace(config, port=sock.getsockname()[1])
     metrics = ServerMetrics(config.served_model_name)
-    engine = AsyncEngine(engine_args, max_waiting=config.max_waiting, log_startup=True, observer=metrics)
+    engine = AsyncEngine(functools.partial(build_llm_engine, engine_args, log_startup=True),
+                         max_waiting=config.max_waiting, observer=metrics)
     state = ServerState(config, engine, metrics, Lifecycle())
     uvicorn_config = uvicorn.Config(
         build_app(state), http=LimitedH11Protocol, ws="none", lifespan="on", log_config=None,

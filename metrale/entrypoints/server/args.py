@@ -51,7 +51,7 @@ class ServerConfig:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerConfig":
-        from metrale.engine.sampling_params import MAX_N
+        from metrale.messages.sampling_params import MAX_N
 
         name = args.served_model_name or ("demo" if args.model in (None, "demo") else args.model)
         checks = [

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from metrale.engine.async_engine import RequestStream
-from metrale.engine.outputs import RequestOutput
+from metrale.messages.outputs import RequestOutput
 from metrale.entrypoints.server.choices import ChoiceCursor, check_output, final_output, usage, usage_of
 from metrale.entrypoints.server.logprobs import chat_logprobs
 from metrale.entrypoints.server.protocol import ChatCompletionRequest

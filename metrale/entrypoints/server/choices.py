@@ -8,7 +8,7 @@ the text past what was already sent.
 from __future__ import annotations
 
 from metrale.engine.async_engine import RequestAbortedError
-from metrale.engine.outputs import CompletionOutput, RequestOutput
+from metrale.messages.outputs import CompletionOutput, RequestOutput
 from metrale.entrypoints.server.errors import APIError
 
 

@@ -11,8 +11,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from metrale.engine.async_engine import RequestStream
-from metrale.engine.outputs import RequestOutput
-from metrale.engine.sampling_params import SamplingParams
+from metrale.messages.outputs import RequestOutput
+from metrale.messages.sampling_params import SamplingParams
 from metrale.entrypoints.server.choices import ChoiceCursor, check_output, final_output, usage_of
 from metrale.entrypoints.server.logprobs import completion_logprobs
 from metrale.entrypoints.server.protocol import CompletionRequest

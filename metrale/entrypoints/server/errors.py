@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from metrale.engine.async_engine import EngineNotReadyError, EngineOverloadedError, RequestAbortedError
-from metrale.engine.errors import EngineDeadError, InvalidRequestError
+from metrale.messages.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

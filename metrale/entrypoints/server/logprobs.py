@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from metrale.engine.outputs import Logprob
+from metrale.messages.outputs import Logprob
 
 
 def _finite(value: float) -> float:

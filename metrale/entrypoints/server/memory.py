@@ -42,7 +42,7 @@ class MemoryReport:
         model = llm.runner.model
         self.weights_bytes = sum(t.numel() * t.element_size()
                                  for t in list(model.parameters()) + list(model.buffers()))
-        self.kv_bytes_per_block = llm.runner.kv_bytes_per_block()
+        self.kv_bytes_per_block = llm.runner.layout.bytes_per_block
         self.block_size = llm.args.block_size
         plan = getattr(llm, "memory_plan", None)
         self.activation_bytes = getattr(plan, "activation_reserve_bytes", 0)

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from metrale.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from metrale.messages.sampling_params import MAX_LOGPROBS, SamplingParams
 from metrale.entrypoints.server.errors import bad_request
 
 MAX_STOP_TOKEN_IDS = 256

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from metrale.engine.async_engine import AsyncEngine, EngineNotReadyError, EngineState
-from metrale.engine.errors import EngineDeadError
+from metrale.messages.errors import EngineDeadError
 from metrale.entrypoints.server.args import ServerConfig
 from metrale.entrypoints.server.errors import APIError
 from metrale.entrypoints.server.metrics import ServerMetrics

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from metrale.executor.forward_context import AttentionMetadata
-from metrale.layers.attention.backend import AttentionBackend, register_backend
+from metrale.layers.forward_context import AttentionMetadata
+from metrale.layers.attention.backend import AttentionBackend
+from metrale.layers.cache_backend import register_backend
 
 
 FP8 = torch.float8_e4m3fn

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from metrale.executor.forward_context import AttentionMetadata
+from metrale.layers.forward_context import AttentionMetadata
 from metrale.kernels import HAS_TRITON
 from metrale.kernels.kv_cache_write import write_kv_cache_triton
 from metrale.kernels.paged_attention import decode_attention_triton, extend_attention_triton
-from metrale.layers.attention.backend import AttentionBackend, register_backend
+from metrale.layers.attention.backend import AttentionBackend
+from metrale.layers.cache_backend import register_backend
 
 if not HAS_TRITON:
     raise ImportError("triton is not installed")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from metrale.kernels import use_triton
-from metrale.layers.moe.parallel import MoEParallelLayout, get_moe_layout
+from metrale.distributed.moe_layout import MoEParallelLayout, get_moe_layout
 from metrale.layers.moe.reference import fused_experts_reference
 from metrale.layers.moe.routing import SCORING_FUNCTIONS, select_experts
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from metrale.distributed import parallel_state
 from metrale.distributed.parallel_state import TensorParallelGroup, get_tp_group
+from metrale.distributed.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -92,3 +94,21 @@ def layout_for_topology(tp_rank: int, tp_size: int, ep_rank: int, ep_size: int, 
     if overlapping:
         return MoEParallelLayout(ep_rank=ep_rank, ep_size=ep_size, reduce_group=group)
     return MoEParallelLayout(tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank, ep_size=ep_size, reduce_group=group)
+
+
+def moe_reduce_group(topology: Topology, expert_layout: str) -> TensorParallelGroup:
+    """The group over which a MoE layer's partial outputs are summed: every rank that holds a
+    different part of the same layer, and no other (else a part would be counted twice).
+    Layout tp, or no EP beside TP, or overlapping groups: the TP group; EP only: the EP group;
+    an orthogonal mesh with layout ep (experts by EP rank, sliced by TP rank): the world."""
+    if expert_layout == "tp" or topology.overlapping or topology.ep_size == 1:
+        return parallel_state.get_tp_group()
+    if topology.tp_size == 1:
+        return parallel_state.get_ep_group()
+    return parallel_state.get_world_group()
+
+
+def moe_layout(topology: Topology, expert_layout: str) -> MoEParallelLayout:
+    """This rank's MoEParallelLayout, summed over the group the layout needs."""
+    return layout_for_topology(topology.tp_rank, topology.tp_size, topology.ep_rank, topology.ep_size,
+                               expert_layout, moe_reduce_group(topology, expert_layout), topology.world_size)

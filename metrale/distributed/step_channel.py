@@ -1,4 +1,5 @@
-"""A worker rank (1..W-1) of a multi-rank engine, and the step messages rank 0 sends it.
+"""The step messages rank 0 sends the worker ranks (1..W-1) of a multi-rank engine, and how a
+worker follows them.
 
 Rank 0 owns the scheduler. Each step it broadcasts the plan to every worker over a gloo group
 on the CPU, then every rank runs the same plan on its shard; the layers' collectives meet inside
@@ -19,26 +20,19 @@ tokens of the last step M it read; a worker compares them with its own. A worker
 tokens takes rank 0's when step M is the last it launched (synchronous scheduling); otherwise
 its KV already holds its own, and it reports the divergence.
 
-Run as:
-    python -m metrale.distributed.worker --rank R --engine-args JSON --spawned-by PID   (rank 0 spawns these)
-    python -m metrale.distributed.worker serve|generate ... <met flags>                 (torchrun, or by hand)
-In the second form rank 0 runs the `met` command itself and the other ranks serve steps.
+The worker process itself (its command line, startup and loop) is metrale/entrypoints/worker.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import os
-import signal
-import sys
 import threading
-import time
 
 import msgpack
 import torch
 import torch.distributed as dist
+
+from metrale.messages.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +78,6 @@ class StepFollower:
         self.diverged = 0
 
     def run(self, message: dict) -> None:
-        from metrale.engine.scheduler_output import SchedulerOutput
-
         if message.get("read_first", True):
             self._read_inflight()
         self._check(*message["sampled"])
@@ -139,91 +131,3 @@ def serve_steps(runner, channel: StepChannel) -> int:
             raise RuntimeError(f"unknown message from rank 0: {message['type']!r}")
         follower.run(message)
         steps += 1
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """A worker rank 0 spawned ends when rank 0 is gone, even if no collective notices. Ctrl-C in
-    a terminal reaches the whole process group: rank 0 handles it and stops the workers itself."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    def watch():
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(1.0)
-
-    threading.Thread(target=watch, name="met-parent-watch", daemon=True).start()
-
-
-def build_worker(args, spawned: bool):
-    """This rank's groups and model runner, built in the same order as rank 0's (their
-    collectives must meet): topology and groups, then `build_runner`."""
-    from metrale.distributed.launch import start_parallel
-    from metrale.engine.startup import StartupLog, build_runner, load_tokenizer, read_model_config, resolve_device
-
-    device = resolve_device(args.device)
-    config = read_model_config(args, device)
-    model_dir = config.model_dir
-    parallel = start_parallel(args, config, device, spawned=spawned)
-    if parallel is None:
-        raise RuntimeError("a worker needs a world of more than one rank")
-    try:
-        # The tokenizer only feeds startup work that must match rank 0's (fp8 KV calibration text).
-        tokenizer = load_tokenizer(args, model_dir)
-        runner, _ = build_runner(args, config, parallel.device, StartupLog(False), tokenizer, parallel)
-    except BaseException:
-        parallel.abort()
-        raise
-    return parallel, runner
-
-
-def run_worker(args, spawned_by: int | None = None) -> int:
-    if spawned_by is not None:
-        _watch_parent(spawned_by)
-    parallel, runner = build_worker(args, spawned=spawned_by is not None)
-    rank = parallel.topology.rank
-    try:
-        steps = serve_steps(runner, StepChannel(parallel.control_group))
-        runner.release_cuda_graphs()  # before the groups (see MultiprocExecutor); not after a failure
-    except RuntimeError as e:
-        logger.error("rank %d: lost rank 0 (%s)", rank, e)
-        return 1
-    finally:
-        parallel.close()
-    logger.info("rank %d: stopped after %d steps", rank, steps)
-    return 0
-
-
-def _configure_logging(rank: str) -> None:
-    logging.basicConfig(level=logging.INFO, datefmt="%H:%M:%S",
-                        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    from metrale.config.engine_args import EngineArgs
-
-    if "--engine-args" in argv:
-        parser = argparse.ArgumentParser(prog="python -m metrale.distributed.worker")
-        parser.add_argument("--engine-args", required=True, help="rank 0's EngineArgs as JSON")
-        parser.add_argument("--rank", type=int, required=True)
-        parser.add_argument("--spawned-by", type=int, default=None, help="rank 0's pid: exit when it is gone")
-        ns = parser.parse_args(argv)
-        args = EngineArgs(**dict(json.loads(ns.engine_args), rank=ns.rank))
-        _configure_logging(str(ns.rank))
-        return run_worker(args, ns.spawned_by)
-
-    from metrale.distributed.launch import topology_from_args
-    from metrale.entrypoints.cli import build_parser
-    from metrale.entrypoints.cli import main as met_main
-
-    args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
-    topology, _ = topology_from_args(args)
-    if topology.rank == 0:
-        return met_main(argv)
-    _configure_logging(str(topology.rank))
-    return run_worker(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

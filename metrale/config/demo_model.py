@@ -7,7 +7,7 @@ import os
 
 
 def demo_model_dir() -> str:
-    path = os.path.join(os.path.dirname(__file__), "demo_model")
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "demo_model")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"the built-in demo model is missing from {path}; reinstall met")
     return path

@@ -9,7 +9,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from metrale.engine.sampling_params import SamplingParams
+from metrale.messages.sampling_params import SamplingParams
+
+# A token a launched step sampled whose value the host has not read yet (asynchronous scheduling).
+# Placeholders only ever trail a request's tokens, on the scheduler's side and the runner's.
+PLACEHOLDER = -1
 
 
 @dataclass
@@ -23,6 +27,7 @@ class NewRequestData:
     seed: int
     block_ids: list[int]
     num_computed_tokens: int
+    state_slot: int = -1  # the slot of its per-request state; -1: the model keeps none
 
 
 @dataclass
@@ -45,6 +50,12 @@ class SchedulerOutput:
     # (source, destination) KV blocks to copy before the forward pass: a request whose whole
     # prompt is cached recomputes its last token in a private copy of the last shared block.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # (checkpoint slot, request slot) state copies before the forward pass: a prefix hit of a
+    # model with per-request state resumes from the state saved at the hit's end.
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    # (request slot, checkpoint slot) state copies after the forward pass: the request's chunk
+    # ends on a block boundary whose state the prefix cache keeps.
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -62,8 +73,8 @@ class SchedulerOutput:
         new = [NewRequestData(**{**r, "sampling_params": SamplingParams.from_dict(r["sampling_params"])})
                for r in wire["new_requests"]]
         cached = [CachedRequestData(**r) for r in wire["cached_requests"]]
-        return cls(new, cached, dict(wire["num_scheduled_tokens"]), list(wire["finished_request_ids"]),
-                   [tuple(pair) for pair in wire["block_copies"]])
+        pairs = {name: [tuple(pair) for pair in wire[name]] for name in ("block_copies", "state_restores", "state_saves")}
+        return cls(new, cached, dict(wire["num_scheduled_tokens"]), list(wire["finished_request_ids"]), **pairs)
 
 
 @dataclass

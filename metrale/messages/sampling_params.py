@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from metrale.engine.errors import InvalidRequestError
+from metrale.messages.errors import InvalidRequestError
 
 # Caps that keep one request from asking the engine for unbounded work (reliability case 7).
 MAX_N = 128

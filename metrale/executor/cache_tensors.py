@@ -1,0 +1,70 @@
+"""The cache tensors of every stateful layer: allocated from the layout, bound to their layers,
+copied and released here, and nowhere else.
+
+Paged specs get [planes, num_blocks, block_size, *token_shape] (dimension 1 indexes blocks);
+state specs get [num_slots, *shape] per part, zeroed. The last slot is the padding slot: never
+given to a request, it absorbs the reads and writes of the rows a CUDA graph pads a batch with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.executor.cache_layout import CacheLayout
+from metrale.layers.cache_spec import CachedLayer, PagedCacheSpec
+
+
+class CacheTensors:
+    def __init__(self, layers: list[CachedLayer], layout: CacheLayout, num_blocks: int, num_slots: int,
+                 device: torch.device):
+        """`num_slots` counts the padding slot: requests use slots 0..num_slots-2."""
+        self.num_blocks, self.num_slots = num_blocks, num_slots
+        self.paged: list[torch.Tensor] = []
+        self.states: list[torch.Tensor] = []
+        self._layers = layers
+        for layer, entry in zip(layers, layout.layers):
+            tensors = []
+            for spec in entry.specs:
+                if isinstance(spec, PagedCacheSpec):
+                    cache = torch.empty(spec.shape(num_blocks, layout.block_size), dtype=spec.dtype, device=device)
+                    self.paged.append(cache)
+                    tensors.append(cache)
+                else:
+                    for part in spec.tensors:
+                        state = torch.zeros((num_slots, *part.shape), dtype=part.dtype, device=device)
+                        self.states.append(state)
+                        tensors.append(state)
+            layer.bind_caches(tuple(tensors))
+
+    @property
+    def padding_slot(self) -> int:
+        return self.num_slots - 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.paged + self.states)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Block contents source -> destination in every paged cache."""
+        if not pairs or not self.paged:
+            return
+        device = self.paged[0].device
+        sources = torch.tensor([s for s, _ in pairs], device=device)
+        destinations = torch.tensor([d for _, d in pairs], device=device)
+        for cache in self.paged:
+            cache[:, destinations] = cache[:, sources]
+
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """A request's whole state, slot source -> destination, in every state cache."""
+        if not pairs or not self.states:
+            return
+        device = self.states[0].device
+        sources = torch.tensor([s for s, _ in pairs], device=device)
+        destinations = torch.tensor([d for _, d in pairs], device=device)
+        for state in self.states:
+            state[destinations] = state[sources]
+
+    def release(self) -> None:
+        for layer in self._layers:
+            layer.bind_caches(None)
+        self.paged, self.states = [], []

@@ -1,0 +1,102 @@
+"""The one piece of per-step state layers may read: published by the model runner for the
+duration of a forward pass, through a context manager that cannot nest.
+
+The runner builds one BatchLayout per step, the same for every kind of cache; each kind's
+backend turns it into its own metadata (AttentionMetadata for attention, GDN metadata for
+linear attention), and a layer reads its kind's backend and metadata from the context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from metrale.layers.cache_backend import CacheBackend
+
+
+@dataclass
+class BatchLayout:
+    """One step's flattened batch. Sequence i owns query rows query_start_loc[i]..[i+1]; those
+    are the LAST query_len_i positions of a context of seq_lens[i] tokens (cached prefix + new
+    tokens), and its per-request state (if the model keeps any) is in slot state_slots[i]."""
+
+    positions: torch.Tensor  # int64 [num_tokens]
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]; -1: padding, not written
+    state_slots: torch.Tensor  # int32 [num_seqs]
+    has_initial_state: torch.Tensor  # int32 [num_seqs]; 0: the sequence starts at position 0 this step
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    # One new token for every sequence, each continuing a computed context (a first token of a
+    # one-token prompt is not a decode: it has no state to continue).
+    is_pure_decode: bool
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the flattened batch sits in the paged KV cache (BatchLayout's paged
+    fields, as the attention backends read them)."""
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]; -1: padding, not written
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    max_query_len: int
+    max_seq_len: int
+    seq_lens_cpu: list[int]
+    query_lens_cpu: list[int]
+    is_pure_decode: bool | None = None  # None: one query token per sequence
+
+    def __post_init__(self):
+        if self.is_pure_decode is None:
+            self.is_pure_decode = self.max_query_len == 1
+
+    @classmethod
+    def of(cls, layout: BatchLayout) -> "AttentionMetadata":
+        return cls(layout.slot_mapping, layout.block_tables, layout.seq_lens, layout.query_start_loc,
+                   layout.max_query_len, layout.max_seq_len, layout.seq_lens_cpu, layout.query_lens_cpu,
+                   layout.is_pure_decode)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+@dataclass
+class ForwardContext:
+    layout: BatchLayout
+    metadata: dict[str, object]  # cache kind -> what its backend built from the layout
+    backends: dict[str, "CacheBackend"]  # cache kind -> backend
+
+
+_current: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def set_forward_context(ctx: ForwardContext):
+    global _current
+    if _current is not None:
+        raise RuntimeError("forward contexts do not nest: one forward pass at a time")
+    _current = ctx
+    try:
+        yield ctx
+    finally:
+        _current = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("no forward context: layers run only inside ModelRunner's forward pass")
+    return _current

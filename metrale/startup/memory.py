@@ -1,0 +1,118 @@
+"""The memory plan of startup: made before loading from a meta-device build of the model, then
+measured on CUDA once the weights are in, and agreed between ranks."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from metrale.config.cache_config import CacheConfig
+from metrale.config.engine_args import EngineArgs
+from metrale.config.model_config import ModelConfig
+from metrale.distributed.launch import ParallelRuntime
+from metrale.executor.cache_layout import CacheLayout
+from metrale.executor.memory_plan import (CPU_DEFAULT_KV_BYTES, CUDA_RUNTIME_OVERHEAD_BYTES, MemoryPlan,
+                                          MemoryPlanError, estimate_activation_bytes, finish_plan,
+                                          fit_kv_blocks, parameter_bytes)
+from metrale.executor.model_runner import ModelRunner
+from metrale.executor.startup_passes import attention_layers, calibrate_kv_scales, profile_activation_bytes
+from metrale.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+def build_meta_model(config: ModelConfig) -> torch.nn.Module:
+    """The model on the meta device: its parameters' sizes and its cache specs, no memory."""
+    with torch.device("meta"):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(config.dtype)
+        try:
+            return get_model_class(config.architecture)(config)
+        finally:
+            torch.set_default_dtype(previous)
+
+
+def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
+                device_total: int | None = None) -> MemoryPlan:
+    """The plan before loading: exact weights and cache sizes from a meta-device build, estimated
+    activations."""
+    meta_model = build_meta_model(config)
+    layout = CacheLayout.of(meta_model, CacheConfig.from_args(args, config.dtype))
+    activation = estimate_activation_bytes(config.hf_config, config.dtype, args.max_num_batched_tokens,
+                                           1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs),
+                                           config.vocab_size)
+    weights = parameter_bytes(meta_model)
+    if device.type == "cuda" or device_total is not None:
+        total = device_total if device_total is not None else torch.cuda.mem_get_info(device)[1]
+        budget = int(total * args.gpu_memory_utilization)
+        overhead = CUDA_RUNTIME_OVERHEAD_BYTES
+        if args.kv_cache_memory is not None:
+            budget = min(budget, weights + activation + overhead + args.kv_cache_memory)
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        overhead = 0
+        budget = weights + activation + (args.kv_cache_memory or CPU_DEFAULT_KV_BYTES)
+    checkpoints = args.state_checkpoint_slots if args.enable_prefix_caching else 0
+    return MemoryPlan(device.type, total, budget, weights, activation, False, layout.bytes_per_token,
+                      args.block_size, config.max_model_len, args.max_num_seqs, runtime_overhead_bytes=overhead,
+                      state_bytes_per_slot=layout.bytes_per_slot, requested_checkpoint_slots=checkpoints,
+                      cache_summary=layout.summary())
+
+
+def measure_on_cuda(plan: MemoryPlan, runner: ModelRunner, args: EngineArgs, device: torch.device) -> None:
+    """Replace the estimates with what the loaded model really uses."""
+    rows = 1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs)
+    plan.activation_reserve_bytes = profile_activation_bytes(runner, args.max_num_batched_tokens, rows,
+                                                             plan.max_model_len)
+    plan.activation_measured = True
+    free, total = torch.cuda.mem_get_info(device)
+    # Everything this process and others hold now, beyond our weights: context, workspaces.
+    plan.runtime_overhead_bytes = max(0, (total - free) - plan.weight_bytes)
+
+
+def calibrate_fp8_scales(args: EngineArgs, runner: ModelRunner, tokenizer, plan: MemoryPlan) -> None:
+    """Scales from the checkpoint stay; otherwise calibrate over N tokens of English text (Python's
+    own documentation, offline), or keep 1.0 when N is 0."""
+    if args.kv_cache_dtype != "fp8" or args.fp8_kv_calibration_tokens == 0:
+        return
+    if any(layer.k_scale != 1.0 or layer.v_scale != 1.0 for layer in attention_layers(runner)):
+        return  # the checkpoint carried k_scale / v_scale
+    n = args.fp8_kv_calibration_tokens
+    if tokenizer is not None:
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[k] for k in sorted(topics))
+        ids = tokenizer.encode(text)[:n]
+    else:
+        ids = [(i * 7919) % runner.model_config.vocab_size for i in range(n)]
+    calibrate_kv_scales(runner, ids, args.fp8_kv_headroom, min(plan.max_model_len, plan.kv_capacity_tokens))
+    logger.info("fp8 KV scales calibrated over %d tokens (headroom %.2f)", len(ids), args.fp8_kv_headroom)
+
+
+def fit_kv_blocks_on_every_rank(plan: MemoryPlan, args: EngineArgs, parallel: ParallelRuntime | None) -> None:
+    """Rank 0's scheduler hands out block ids and state slots that every rank's pool must hold:
+    all ranks take the smallest counts any of them fits (a rank that cannot fit at all sends 0
+    and stops them all). Then `auto` running sequences follow the agreed capacity."""
+    if parallel is None:
+        finish_plan(fit_kv_blocks(plan, args.num_kv_blocks))
+        return
+    error = None
+    try:
+        fit_kv_blocks(plan, args.num_kv_blocks)
+    except MemoryPlanError as e:
+        error = e
+    agreed = parallel.agree_min(0 if error is not None else plan.num_kv_blocks)
+    if error is not None:
+        raise error
+    if agreed == 0:
+        raise MemoryPlanError("another rank's memory plan does not fit (see its log)")
+    if agreed < plan.num_kv_blocks:
+        plan.notes.append(f"KV cache: {agreed} blocks, the smallest any of the "
+                          f"{parallel.topology.world_size} ranks fits")
+        plan.num_kv_blocks = agreed
+    if plan.state_bytes_per_slot:
+        plan.max_num_seqs = parallel.agree_min(plan.max_num_seqs)
+        plan.num_checkpoint_slots = parallel.agree_min(plan.num_checkpoint_slots)
+    finish_plan(plan)

@@ -1,0 +1,54 @@
+"""Where the model comes from: the device, the model directory (a checkpoint, the built-in demo,
+or a shipped config for dummy weights), its config and its tokenizer."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from metrale.config.demo_model import demo_model_dir
+from metrale.config.engine_args import EngineArgs
+from metrale.config.model_config import ModelConfig, ModelLoadError, load_model_config
+from metrale.models.registry import supported_architectures
+
+SHIPPED_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "model_configs")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for but PyTorch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_model_dir(model: str | None, load_format: str) -> str:
+    """A directory; `demo` (or nothing) for the built-in demo model; or, with dummy weights, the
+    name of a real model whose config.json ships with met (metrale/model_configs/)."""
+    if model in (None, "demo"):
+        return demo_model_dir()
+    if not os.path.isdir(model) and load_format == "dummy":
+        shipped = os.path.join(SHIPPED_CONFIGS, os.path.basename(model.rstrip("/")))
+        if os.path.isdir(shipped):
+            return shipped
+    return model
+
+
+def read_model_config(args: EngineArgs, device: torch.device) -> ModelConfig:
+    """The model directory `args` names and its config, with `--hf-overrides` applied."""
+    model_dir = resolve_model_dir(args.model, args.load_format)
+    return load_model_config(model_dir, args.dtype, device, args.max_model_len, supported_architectures(),
+                             args.config_overrides)
+
+
+def load_tokenizer(args: EngineArgs, model_dir: str):
+    if args.skip_tokenizer_init:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(args.tokenizer or model_dir, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load a tokenizer from {args.tokenizer or model_dir!r} ({e}); pass "
+                             "--tokenizer DIR, or --skip-tokenizer-init to send token ids only") from None

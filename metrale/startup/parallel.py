@@ -1,0 +1,38 @@
+"""Above one rank: refuse a model the topology cannot split, then join (or start) the ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.config.engine_args import EngineArgs
+from metrale.config.model_config import ModelConfig
+from metrale.distributed.launch import (ParallelRuntime, ensure_no_live_groups, join_ranks, shard_sizes_of,
+                                        topology_from_args)
+from metrale.distributed.topology import Topology, TopologyError, check_attention_heads, check_expert_layout
+from metrale.models.registry import get_model_class
+
+
+def check_model_split(config: ModelConfig, topology: Topology, expert_layout: str) -> None:
+    """Refuse, before any process starts, a model this topology cannot split: the head counts,
+    then a dry build on the meta device with this rank's shard sizes (expert ranges, intermediate
+    slices, linear-attention heads), whose complaints are given the architecture and the sizes."""
+    check_expert_layout(topology, expert_layout)
+    check_attention_heads(config.architecture, config.num_attention_heads, config.num_kv_heads, topology.tp_size)
+    try:
+        with shard_sizes_of(topology, expert_layout), torch.device("meta"):
+            get_model_class(config.architecture)(config)
+    except ValueError as e:
+        raise TopologyError(f"{config.architecture} cannot be split over tp_size={topology.tp_size}, "
+                            f"ep_size={topology.ep_size} (--moe-expert-layout {expert_layout}): {e}") from None
+
+
+def start_parallel(args: EngineArgs, config: ModelConfig, device: torch.device,
+                   spawned: bool = False) -> ParallelRuntime | None:
+    """Resolve the topology and, above one rank, check the split and join the other ranks.
+    Returns None for a single rank."""
+    topology, env = topology_from_args(args)
+    ensure_no_live_groups(topology.world_size)
+    if topology.world_size == 1:
+        return None
+    check_model_split(config, topology, args.moe_expert_layout)
+    return join_ranks(args, topology, env, device, spawned)

@@ -1,0 +1,57 @@
+"""Tiny random hybrid (linear + full attention) checkpoints, written by `transformers` itself.
+
+Same recipe as checkpoints.py (trained byte-level tokenizer, transformers' own random init with
+initializer_range 0.2, float32 safetensors), for Qwen3-Next and Qwen3.5. Four layers alternate
+Gated DeltaNet and gated attention; transformers initialises the zero-centred norms to zero and
+the decay parameters to fixed ranges, so those are perturbed here, or a checkpoint would not
+tell a (1 + w) norm from a plain one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from checkpoints import VOCAB_SIZE, make_tokenizer
+
+_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+               initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=False, full_attention_interval=2,
+               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+               linear_conv_kernel_dim=4)
+_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+HYBRID_FAMILIES = {
+    # Layers 0 and 2 linear attention, 1 and 3 gated attention; sparse MoE in every layer but 3.
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        _MOE, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[3])),
+    # Dense MLPs, the linear-attention projections stored apart.
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    # MoE in every layer.
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _MOE),
+}
+
+
+def make_hybrid_checkpoint(path: str, family: str, seed: int = 0, **overrides) -> str:
+    import transformers
+
+    config_name, model_name, extra = HYBRID_FAMILIES[family]
+    os.makedirs(path, exist_ok=True)
+    tokenizer = make_tokenizer(path)
+    fields = dict(_COMMON, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                  bos_token_id=None, **extra)
+    fields.update(overrides)
+    config = getattr(transformers, config_name)(**fields)
+    config.architectures = [model_name]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.randn(param.shape) * 0.3)  # zero-centred norms: scales 1 + w
+            elif name.endswith(("A_log", "dt_bias")):
+                param.copy_(torch.randn(param.shape) * 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    model.generation_config.save_pretrained(path)
+    return path
