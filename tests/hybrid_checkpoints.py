@@ -55,3 +55,35 @@ def make_hybrid_checkpoint(path: str, family: str, seed: int = 0, **overrides) -
     model.save_pretrained(path, safe_serialization=True)
     model.generation_config.save_pretrained(path)
     return path
+
+
+def write_reference_set(directory: str) -> None:
+    """Each family's checkpoint under directory/<family>, with transformers' greedy tokens for
+    the GPU tests' prompts in directory/<family>/expected.json: the GPU machine's transformers may
+    not know the newest families, so their reference is computed where it does."""
+    import json
+
+    from checkpoints import load_reference, reference_greedy
+
+    for family in HYBRID_FAMILIES:
+        path = make_hybrid_checkpoint(os.path.join(directory, family), family)
+        model = load_reference(path)
+        expected = [reference_greedy(model, p, GPU_NEW_TOKENS) for p in gpu_prompts()]
+        with open(os.path.join(path, "expected.json"), "w") as f:
+            json.dump(expected, f)
+
+
+GPU_NEW_TOKENS = 12
+
+
+def gpu_prompts() -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(3, VOCAB_SIZE) for _ in range(n)] for n in (1, 3, 17, 64, 100, 181, 250)]
+
+
+if __name__ == "__main__":  # python tests/hybrid_checkpoints.py DIR
+    import sys
+
+    write_reference_set(sys.argv[1])

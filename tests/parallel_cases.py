@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 
 from checkpoints import make_checkpoint
+from hybrid_checkpoints import make_hybrid_checkpoint
 from moe_checkpoints import make_moe_checkpoint
 
 PROMPT_LENGTHS = (1, 6, 23, 41)
@@ -19,6 +20,9 @@ CHECKPOINTS = {
     "qwen3_moe": (make_moe_checkpoint, "qwen3_moe", {}),
     # 5 experts (ranges [0, 2) and [2, 5) over 2 EP ranks), one KV head, full-width q/k norms.
     "minimax_m2_uneven": (make_moe_checkpoint, "minimax_m2", {"num_local_experts": 5, "num_key_value_heads": 1}),
+    # Hybrid: 2 linear-attention key heads and 4 value heads, each rank holding one key head's group.
+    "qwen3_next": (make_hybrid_checkpoint, "qwen3_next", {}),
+    "qwen3_5": (make_hybrid_checkpoint, "qwen3_5", {}),
 }
 
 

@@ -85,25 +85,29 @@ class Floor:
 
 
 def decode_floor(weight_bytes: int, active_params: int, kv_bytes_per_token: int,
-                 contexts_per_step: list[list[int]], rates: HardwareRates) -> Floor:
-    """Decode steps: each reads the weights once and each sequence's context once."""
+                 contexts_per_step: list[list[int]], rates: HardwareRates, state_bytes_per_seq: int = 0) -> Floor:
+    """Decode steps: each reads the weights once and each sequence's context once, and reads
+    and writes each sequence's per-request state (linear-attention layers) once."""
     moved = flops = 0.0
     for contexts in contexts_per_step:
-        moved += weight_bytes + kv_bytes_per_token * sum(contexts)
+        moved += weight_bytes + kv_bytes_per_token * sum(contexts) + 2 * state_bytes_per_seq * len(contexts)
         flops += 2 * active_params * len(contexts)
     return Floor(moved, flops, rates)
 
 
-def prefill_floor(weight_bytes: int, active_params: int, prompt_lengths: list[int], rates: HardwareRates) -> Floor:
+def prefill_floor(weight_bytes: int, active_params: int, prompt_lengths: list[int], rates: HardwareRates,
+                  state_bytes_per_seq: int = 0) -> Floor:
+    """The weights once, each prompt's state written once."""
     tokens = sum(prompt_lengths)
-    return Floor(weight_bytes, 2 * active_params * tokens, rates)
+    return Floor(weight_bytes + state_bytes_per_seq * len(prompt_lengths), 2 * active_params * tokens, rates)
 
 
 def offline_floor(step_bytes, active_params: int, kv_bytes_per_token: int, input_lens: list[int],
-                  output_lens: list[int], rates: HardwareRates) -> Floor:
+                  output_lens: list[int], rates: HardwareRates, state_bytes_per_seq: int = 0) -> Floor:
     """All requests at once. Decode step t runs every request with more than t outputs to go and
-    reads the weights those tokens need (`step_bytes(tokens)`) plus each one's context; the
-    prefill reads the weights once; every token is computed once at `active_params` per token."""
+    reads the weights those tokens need (`step_bytes(tokens)`) plus each one's context, and reads
+    and writes its state; the prefill reads the weights once and writes each state once; every
+    token is computed once at `active_params` per token."""
     kv_reads = sum(o * i + o * (o - 1) // 2 for i, o in zip(input_lens, output_lens))
     running = sorted(output_lens)
     moved, alive = float(step_bytes(sum(input_lens))), len(running)
@@ -113,5 +117,6 @@ def offline_floor(step_bytes, active_params: int, kv_bytes_per_token: int, input
             alive -= 1
         moved += step_bytes(alive)
     moved += kv_bytes_per_token * kv_reads
+    moved += state_bytes_per_seq * (len(input_lens) + 2 * sum(max(0, o - 1) for o in output_lens))
     flops = 2 * active_params * (sum(input_lens) + sum(output_lens))
     return Floor(moved, flops, rates)

@@ -53,10 +53,10 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
         tpots.append((times[-1] - times[0]) / max(1, len(times) - 1))
     model = engine.runner.model
     step_bytes, step_params = weights_read_per_step(model, args.batch_size)
-    kv = engine.memory_plan.kv_bytes_per_token
+    kv, state = engine.memory_plan.kv_bytes_per_token, engine.memory_plan.state_bytes_per_slot
     decode_steps = [[args.input_len + t] * args.batch_size for t in range(1, args.output_len)]
-    decode = decode_floor(step_bytes, step_params, kv, decode_steps, rates)
-    prefill = prefill_floor(step_bytes, step_params, [args.input_len] * args.batch_size, rates)
+    decode = decode_floor(step_bytes, step_params, kv, decode_steps, rates, state)
+    prefill = prefill_floor(step_bytes, step_params, [args.input_len] * args.batch_size, rates, state)
     tpot = statistics.median(tpots)
     ttft = statistics.median(ttfts)
     floor_tpot = decode.seconds / len(decode_steps)
@@ -67,13 +67,14 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
         "floor_ttft_s": prefill.seconds, "floor_tpot_s": floor_tpot,
         "tpot_floor_ratio": floor_tpot / tpot, "decode_bound": decode.bound,
         "bandwidth_tb_s": rates.bandwidth_bytes_per_s / 1e12, "matmul_tflops": rates.matmul_flops_per_s / 1e12,
-        "weight_bytes_per_step": step_bytes,
+        "weight_bytes_per_step": step_bytes, "state_bytes_per_seq": state,
     }
     print(rates.describe())
     print(f"batch {args.batch_size}, input {args.input_len}, output {args.output_len}:")
     print(f"  time to first token   {ttft * 1e3:9.2f} ms   (floor {prefill.seconds * 1e3:.2f} ms, {prefill.bound}-bound)")
     print(f"  decode per token      {tpot * 1e3:9.3f} ms   (floor {floor_tpot * 1e3:.3f} ms: "
-          f"{step_bytes / 1e9:.2f} GB weights + KV per step over the measured bandwidth)")
+          f"{step_bytes / 1e9:.2f} GB weights + KV" + (f" + {2 * state * args.batch_size / 1e9:.2f} GB state"
+                                                         if state else "") + " per step over the measured bandwidth)")
     print(f"  achieved / floor      {floor_tpot / tpot:9.1%}")
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -160,7 +160,8 @@ def _floor(memory: dict, work, seconds: float) -> dict:
         rates = measure(torch.device("cuda"))
         # The server's plan has no per-expert breakdown: every step reads all weights (exact for dense).
         floor = offline_floor(lambda tokens: plan["weight_bytes"], plan["weight_bytes"] // 2,
-                              plan["kv_bytes_per_token"], work.input_lens, work.output_lens, rates)
+                              plan["kv_bytes_per_token"], work.input_lens, work.output_lens, rates,
+                              plan.get("state_bytes_per_slot", 0))
         return {"floor_seconds": floor.seconds, "floor_ratio": floor.seconds / seconds, "bound": floor.bound}
     except (KeyError, IndexError, TypeError):
         return {}

@@ -34,7 +34,8 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
     assert output_tokens == sum(workload.output_lens), "ignore_eos: every request runs to max_tokens"
     _, active_params = weights_read_per_step(engine.runner.model, 1)
     floor = offline_floor(step_weight_bytes(engine.runner.model), active_params,
-                          engine.memory_plan.kv_bytes_per_token, workload.input_lens, workload.output_lens, rates)
+                          engine.memory_plan.kv_bytes_per_token, workload.input_lens, workload.output_lens, rates,
+                          engine.memory_plan.state_bytes_per_slot)
     result = {
         "benchmark": "throughput", **run_settings(engine), "num_prompts": args.num_prompts, "device": rates.device,
         "seconds": seconds, "output_tokens": output_tokens, "input_tokens": input_tokens,

@@ -67,6 +67,8 @@ class EngineSnapshot:
     kv_blocks_free: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    state_slots_total: int = 0  # running slots of a model with per-request state (0: none)
+    state_slots_free: int = 0
 
 
 class EngineObserver:
@@ -405,5 +407,6 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot(stats.num_running, stats.num_waiting, stats.kv_cache_usage,
                                        stats.num_preemptions_total, scheduler.kv.num_blocks,
                                        scheduler.kv.num_free_blocks, stats.prefix_cache_queries_total,
-                                       stats.prefix_cache_hits_total)
+                                       stats.prefix_cache_hits_total, scheduler.kv.slots.num_running,
+                                       scheduler.kv.num_free_state_slots)
         self.observer.on_snapshot(self.snapshot)

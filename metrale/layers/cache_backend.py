@@ -47,22 +47,32 @@ def register_backend(cls: type[CacheBackend]) -> type[CacheBackend]:
 
 
 def backend_names(kind: str) -> list[str]:
-    return sorted(_MODULES.get(kind, {}))
+    return sorted(set(_MODULES.get(kind, {})) | {name for k, name in _REGISTRY if k == kind})
+
+
+def _load(kind: str, name: str) -> bool:
+    """Import the module of a backend (which registers it); False when its dependency is missing."""
+    if (kind, name) in _REGISTRY:
+        return True
+    module = _MODULES.get(kind, {}).get(name)
+    if module is None:
+        return False
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return (kind, name) in _REGISTRY
 
 
 def get_backend(kind: str, name: str, device: torch.device) -> CacheBackend:
     """`auto`: Triton on CUDA when it imports, else the PyTorch reference."""
-    if kind not in _MODULES:
+    if not backend_names(kind):
         raise ValueError(f"no backend serves cache kind {kind!r}; known kinds: {', '.join(sorted(_MODULES))}")
     if name == "auto":
-        name = "torch"
-        if device.type == "cuda":
-            try:
-                importlib.import_module(_MODULES[kind]["triton"])
-                name = "triton"
-            except ImportError:
-                pass
-    if name not in _MODULES[kind]:
+        name = "triton" if device.type == "cuda" and _load(kind, "triton") else "torch"
+    if name not in backend_names(kind):
         raise ValueError(f"{kind} backend {name!r} does not exist; available: {', '.join(backend_names(kind))}")
-    importlib.import_module(_MODULES[kind][name])  # registers it (ImportError: its dependency is missing)
+    if not _load(kind, name):
+        raise ValueError(f"the {kind} backend {name!r} cannot run here (its module {_MODULES[kind][name]} "
+                         f"does not import: is triton installed?)")
     return _REGISTRY[(kind, name)]()

@@ -18,6 +18,12 @@ _MODELS = {
 }
 
 
+def register_model(architecture: str, module: str, class_name: str) -> None:
+    """Add an architecture (a family outside the package: tests, plugins). Worker ranks of a
+    multi-rank engine are fresh interpreters and know only the built-in ones."""
+    _MODELS[architecture] = (module, class_name)
+
+
 def supported_architectures() -> dict[str, tuple[str, str]]:
     return dict(_MODELS)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from metrale.config.engine_args import EngineArgs
@@ -10,6 +12,8 @@ from metrale.distributed.launch import (ParallelRuntime, ensure_no_live_groups, 
                                         topology_from_args)
 from metrale.distributed.topology import Topology, TopologyError, check_attention_heads, check_expert_layout
 from metrale.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
 
 
 def check_model_split(config: ModelConfig, topology: Topology, expert_layout: str) -> None:
@@ -35,4 +39,18 @@ def start_parallel(args: EngineArgs, config: ModelConfig, device: torch.device,
     if topology.world_size == 1:
         return None
     check_model_split(config, topology, args.moe_expert_layout)
+    if topology.tp_size > 1:
+        logger.info("TP-local head counts: %s", local_head_counts(config, topology.tp_size))
     return join_ranks(args, topology, env, device, spawned)
+
+
+def local_head_counts(config: ModelConfig, tp_size: int) -> str:
+    """Each rank's share of the attention and linear-attention heads (KV heads replicated when
+    fewer than the ranks)."""
+    hf = config.hf_config
+    counts = {"num_attention_heads": config.num_attention_heads // tp_size,
+              "num_key_value_heads": max(1, config.num_kv_heads // tp_size)}
+    for name in ("linear_num_key_heads", "linear_num_value_heads"):
+        if getattr(hf, name, None):
+            counts[name] = getattr(hf, name) // tp_size
+    return ", ".join(f"{name}={value}" for name, value in counts.items())

@@ -47,6 +47,9 @@ CASES = [
     ("minimax_m2_uneven", dict(ep_size=2)),
     ("minimax_m2_uneven", dict(tp_size=2, ep_size=2, world_size=4)),
     ("minimax_m2_uneven", dict(tp_size=2, ep_size=2)),
+    ("qwen3_next", dict(tp_size=2)),
+    ("qwen3_next", dict(ep_size=2)),
+    ("qwen3_5", dict(tp_size=2)),
 ]
 
 
@@ -117,7 +120,8 @@ def test_tokens_match_one_rank_and_transformers(case, checkpoint, references):
     assert seeded == single_seeded
 
 
-@pytest.mark.parametrize("case", [("qwen3", dict(tp_size=2)), ("qwen3_moe", dict(tp_size=2, ep_size=2, world_size=4))],
+@pytest.mark.parametrize("case", [("qwen3", dict(tp_size=2)), ("qwen3_moe", dict(tp_size=2, ep_size=2, world_size=4)),
+                                  ("qwen3_next", dict(tp_size=2))],
                          ids=_case_id)
 def test_asynchronous_scheduling_over_ranks(case, checkpoint, references):
     """Every rank launches step N+1 before reading step N's tokens, taking them from its own

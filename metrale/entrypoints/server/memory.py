@@ -1,9 +1,12 @@
 """GET /memory: per device, how much memory there is and what the server holds.
 
-weights: bytes of the model's parameters and buffers. kv_cache: the KV pool (blocks x bytes per
-block). activation_reserve: what the engine's memory plan set aside for activations (measured
-on CUDA, estimated on CPU; `activation_reserve_measured` says which). For the CPU, total and
-free are the host's MemTotal and MemAvailable.
+weights: bytes of the model's parameters and buffers. kv_cache: the paged caches (blocks x bytes
+per block, every layer's K/V under one block table). state_cache: models with per-request state
+(linear attention): the slots x bytes per slot, running slots in use beside their total.
+activation_reserve: what the engine's memory plan set aside for activations (measured on CUDA,
+estimated on CPU; `activation_reserve_measured` says which). `caches` names each kind of cache,
+its layers and bytes (the cache layout). For the CPU, total and free are the host's MemTotal and
+MemAvailable.
 """
 
 from __future__ import annotations
@@ -42,7 +45,11 @@ class MemoryReport:
         model = llm.runner.model
         self.weights_bytes = sum(t.numel() * t.element_size()
                                  for t in list(model.parameters()) + list(model.buffers()))
-        self.kv_bytes_per_block = llm.runner.layout.bytes_per_block
+        layout = llm.runner.layout
+        self.kv_bytes_per_block = layout.bytes_per_block
+        self.state_bytes_per_slot = layout.bytes_per_slot
+        self.caches = layout.summary()
+        self.num_state_slots = llm.runner.caches.num_slots if llm.runner.caches is not None else 0
         self.block_size = llm.args.block_size
         plan = getattr(llm, "memory_plan", None)
         self.activation_bytes = getattr(plan, "activation_reserve_bytes", 0)
@@ -66,5 +73,10 @@ class MemoryReport:
             "kv_blocks_in_use": snapshot.kv_blocks_total - snapshot.kv_blocks_free,
             "kv_block_size_tokens": self.block_size,
             "kv_bytes_per_block": self.kv_bytes_per_block,
+            "state_cache_bytes": self.num_state_slots * self.state_bytes_per_slot,
+            "state_bytes_per_slot": self.state_bytes_per_slot,
+            "state_slots_total": snapshot.state_slots_total,
+            "state_slots_in_use": snapshot.state_slots_total - snapshot.state_slots_free,
+            "caches": self.caches,
             "ledger": memory_ledger(self.engine.engine),
         }]}
