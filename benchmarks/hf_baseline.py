@@ -26,10 +26,12 @@ from metrale.bench.workload import random_workload  # noqa: E402
 from metrale.startup.model_source import resolve_model_dir  # noqa: E402
 
 
-def build(model: str):
+def build(model: str, overrides: str = ""):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(resolve_model_dir(model, "dummy"))
+    for key, value in (json.loads(overrides) if overrides else {}).items():  # as met's --hf-overrides
+        setattr(config, key, value)
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     return hf.eval()
@@ -37,7 +39,7 @@ def build(model: str):
 
 @torch.no_grad()
 def latency(args) -> dict:
-    model = build(args.model)
+    model = build(args.model, args.hf_overrides)
     rng = random.Random(0)
     prompt = torch.tensor([[rng.randrange(10000) for _ in range(args.input_len)]], device="cuda")
 
@@ -59,7 +61,7 @@ def latency(args) -> dict:
 def throughput(args) -> dict:
     from transformers import GenerationConfig
 
-    model = build(args.model)
+    model = build(args.model, args.hf_overrides)
     work = random_workload(256, (100, 1024), (100, 1024), 0)
     prompts = work.prompts[:args.num_prompts]
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=-1,
@@ -81,10 +83,17 @@ def main():
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--hf-overrides", default="", help="JSON object of config fields to replace (met's flag)")
     parser.add_argument("--output-json")
     args = parser.parse_args()
     result = {"latency": latency, "throughput": throughput}[args.bench](args)
     result["model"] = args.model
+    result["hf_overrides"] = args.hf_overrides
+    try:
+        import fla  # noqa: F401  (transformers' Gated DeltaNet layers take its kernels when it imports)
+        result["fla"] = getattr(fla, "__version__", "yes")
+    except ImportError:
+        result["fla"] = None
     print(json.dumps(result, indent=2))
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -26,7 +26,7 @@ from metrale.bench.workload import random_workload  # noqa: E402
 def profile_prefill(args):
     n = args.prefill_prompts
     llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
-              max_num_seqs=max(8, n),
+              max_num_seqs=max(8, n), hf_overrides=args.hf_overrides,
               max_num_batched_tokens=max(8192, n * args.prefill_len))
     from metrale import SamplingParams
 
@@ -55,7 +55,7 @@ def profile_first_token(args):
     from metrale import SamplingParams
 
     llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
-              max_num_seqs=8, async_scheduling=args.async_scheduling)
+              max_num_seqs=8, async_scheduling=args.async_scheduling, hf_overrides=args.hf_overrides)
     engine = llm.llm_engine
     print(f"asynchronous scheduling: {engine.async_scheduling}")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -97,6 +97,7 @@ def main():
     parser.add_argument("--active-steps", type=int, default=10)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4096, help="for --first-token and --prefill-len")
+    parser.add_argument("--hf-overrides", default="", help="JSON object of config.json fields to replace")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--ep-size", type=int, default=1)
     parser.add_argument("--table-rows", type=int, default=18, help="rows of the kernel table")
@@ -113,7 +114,8 @@ def main():
         return profile_first_token(args)
     work = random_workload(args.num_prompts, (100, 1024), (100, 1024), 0)
     llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
-              max_num_seqs=args.max_num_seqs, tp_size=args.tp_size, ep_size=args.ep_size)
+              max_num_seqs=args.max_num_seqs, tp_size=args.tp_size, ep_size=args.ep_size,
+              hf_overrides=args.hf_overrides)
     engine = llm.llm_engine
     for i, (p, sp) in enumerate(zip(work.prompts, work.params)):
         engine.add_request(str(i), {"prompt_token_ids": p}, sp.clone(output_kind="final_only"))

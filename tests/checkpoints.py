@@ -57,33 +57,48 @@ FAMILIES = {
 }
 
 
-def make_checkpoint(path: str, family: str = "llama", seed: int = 0, **overrides) -> str:
+def save_random_model(path: str, config_name: str, model_name: str, fields: dict, seed: int = 0,
+                      edit=None, configure=None) -> str:
+    """A tokenizer and a randomly initialised transformers model of `fields` saved in `path`:
+    `configure(config)` adjusts the config, `edit(model)` the weights, before saving."""
     import transformers
 
-    config_name, model_name, extra = FAMILIES[family]
     os.makedirs(path, exist_ok=True)
     tokenizer = make_tokenizer(path)
-    fields = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  initializer_range=0.2, rms_norm_eps=1e-6, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, bos_token_id=None, tie_word_embeddings=False)
-    fields.update(extra)
-    fields.update(overrides)
-    rope_scaling = fields.pop("rope_scaling", None)
+    fields = dict(fields, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     config = getattr(transformers, config_name)(**fields)
-    if rope_scaling is not None:
-        params = dict(getattr(config, "rope_parameters", None) or {"rope_theta": 10000.0})
-        params.update(rope_scaling)
-        if hasattr(config, "rope_parameters"):
-            config.rope_parameters = params
-        else:
-            config.rope_scaling = params
+    if configure is not None:
+        configure(config)
     config.architectures = [model_name]
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).float().eval()
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
     model.save_pretrained(path, safe_serialization=True)
     model.generation_config.save_pretrained(path)
     return path
+
+
+def make_checkpoint(path: str, family: str = "llama", seed: int = 0, **overrides) -> str:
+    config_name, model_name, extra = FAMILIES[family]
+    fields = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    fields.update(extra)
+    fields.update(overrides)
+    rope_scaling = fields.pop("rope_scaling", None)
+
+    def configure(config):
+        if rope_scaling is not None:
+            params = dict(getattr(config, "rope_parameters", None) or {"rope_theta": 10000.0})
+            params.update(rope_scaling)
+            if hasattr(config, "rope_parameters"):
+                config.rope_parameters = params
+            else:
+                config.rope_scaling = params
+
+    return save_random_model(path, config_name, model_name, fields, seed, configure=configure)
 
 
 def load_reference(path: str):

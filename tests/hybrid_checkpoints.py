@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from checkpoints import VOCAB_SIZE, make_tokenizer
+from checkpoints import VOCAB_SIZE, save_random_model
 
 _COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
@@ -34,28 +34,16 @@ HYBRID_FAMILIES = {
 
 
 def make_hybrid_checkpoint(path: str, family: str, seed: int = 0, **overrides) -> str:
-    import transformers
-
     config_name, model_name, extra = HYBRID_FAMILIES[family]
-    os.makedirs(path, exist_ok=True)
-    tokenizer = make_tokenizer(path)
-    fields = dict(_COMMON, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                  bos_token_id=None, **extra)
-    fields.update(overrides)
-    config = getattr(transformers, config_name)(**fields)
-    config.architectures = [model_name]
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).float().eval()
-    with torch.no_grad():
+
+    def edit(model):
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(torch.randn(param.shape) * 0.3)  # zero-centred norms: scales 1 + w
             elif name.endswith(("A_log", "dt_bias")):
                 param.copy_(torch.randn(param.shape) * 0.5)
-    model.save_pretrained(path, safe_serialization=True)
-    model.generation_config.save_pretrained(path)
-    return path
 
+    return save_random_model(path, config_name, model_name, {**_COMMON, **extra, **overrides}, seed, edit=edit)
 
 def write_reference_set(directory: str) -> None:
     """Each family's checkpoint under directory/<family>, with transformers' greedy tokens for

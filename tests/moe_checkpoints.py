@@ -9,11 +9,9 @@ what met's loader must read.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from checkpoints import VOCAB_SIZE, make_tokenizer
+from checkpoints import VOCAB_SIZE, save_random_model
 
 _COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-6,
@@ -35,23 +33,12 @@ MOE_FAMILIES = {
 
 
 def make_moe_checkpoint(path: str, family: str, seed: int = 0, **overrides) -> str:
-    import transformers
-
     config_name, model_name, extra = MOE_FAMILIES[family]
-    os.makedirs(path, exist_ok=True)
-    tokenizer = make_tokenizer(path)
-    fields = dict(_COMMON, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                  bos_token_id=None, **extra)
-    fields.update(overrides)
-    config = getattr(transformers, config_name)(**fields)
-    config.architectures = [model_name]
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).float().eval()
-    with torch.no_grad():
+
+    def edit(model):
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 # transformers initialises it to zero; a real one changes which experts win.
                 buffer.copy_(torch.rand(buffer.shape) * 0.5)
-    model.save_pretrained(path, safe_serialization=True)
-    model.generation_config.save_pretrained(path)
-    return path
+
+    return save_random_model(path, config_name, model_name, {**_COMMON, **extra, **overrides}, seed, edit=edit)

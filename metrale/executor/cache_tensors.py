@@ -45,26 +45,28 @@ class CacheTensors:
         return sum(t.numel() * t.element_size() for t in self.paged + self.states)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Block contents source -> destination in every paged cache."""
-        if not pairs or not self.paged:
-            return
-        device = self.paged[0].device
-        sources = torch.tensor([s for s, _ in pairs], device=device)
-        destinations = torch.tensor([d for _, d in pairs], device=device)
-        for cache in self.paged:
+        """Block contents source -> destination in every paged cache (blocks are dimension 1)."""
+        for cache, sources, destinations in _each(self.paged, pairs):
             cache[:, destinations] = cache[:, sources]
 
     def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
         """A request's whole state, slot source -> destination, in every state cache."""
-        if not pairs or not self.states:
-            return
-        device = self.states[0].device
-        sources = torch.tensor([s for s, _ in pairs], device=device)
-        destinations = torch.tensor([d for _, d in pairs], device=device)
-        for state in self.states:
+        for state, sources, destinations in _each(self.states, pairs):
             state[destinations] = state[sources]
 
     def release(self) -> None:
         for layer in self._layers:
             layer.bind_caches(None)
         self.paged, self.states = [], []
+
+
+
+def _each(tensors: list[torch.Tensor], pairs: list[tuple[int, int]]):
+    """(tensor, source ids, destination ids) for every tensor, the ids on their device."""
+    if not pairs or not tensors:
+        return
+    device = tensors[0].device
+    sources = torch.tensor([s for s, _ in pairs], device=device)
+    destinations = torch.tensor([d for _, d in pairs], device=device)
+    for tensor in tensors:
+        yield tensor, sources, destinations

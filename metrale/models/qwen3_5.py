@@ -16,15 +16,14 @@ from torch import nn
 
 from metrale.config.model_config import ModelConfig
 from metrale.layers.mlp import GatedMLP
+from metrale.models.common import CausalLM
 from metrale.models.qwen3_moe import Qwen3MoeSparseBlock
 from metrale.models.qwen3_next import Qwen3NextForCausalLM, token_mixer
 
-LINEAR_ATTENTION_PROJECTIONS = [("in_proj_qkvz", "in_proj_qkv", (0, 1, 2)), ("in_proj_qkvz", "in_proj_z", 3),
-                                ("in_proj_ba", "in_proj_b", 0), ("in_proj_ba", "in_proj_a", 1)]
-
-
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
-    stacked_params = Qwen3NextForCausalLM.stacked_params + LINEAR_ATTENTION_PROJECTIONS
+    stacked_params = CausalLM.stacked_params + [
+        ("in_proj", "in_proj_qkv", (0, 1, 2)), ("in_proj", "in_proj_z", 3), ("in_proj", "in_proj_b", 4),
+        ("in_proj", "in_proj_a", 5)]
     ignored_checkpoint_prefixes = ("mtp.", "model.visual.")
 
     def mlp(self, config: ModelConfig, layer_index: int) -> nn.Module:

@@ -63,7 +63,8 @@ def token_mixer(config: ModelConfig, layer_index: int) -> tuple[nn.Module, str]:
 class Qwen3NextForCausalLM(CausalLM):
     norm = ZeroCentredRMSNorm
     stacked_params = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
-                      ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+                      ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+                      ("in_proj", "in_proj_qkvz", "qkvz"), ("in_proj", "in_proj_ba", "ba")]
     ignored_checkpoint_prefixes = ("mtp.",)
 
     def make_layer(self, config: ModelConfig, layer_index: int) -> nn.Module:

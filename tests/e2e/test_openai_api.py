@@ -218,6 +218,9 @@ def test_metrics_and_memory(api_server):
                 "kv_blocks_total", "kv_blocks_in_use"):
         assert isinstance(device[key], int) and device[key] >= 0, key
     assert device["weights_bytes"] > 0 and device["kv_blocks_total"] > 0 and device["kv_blocks_in_use"] == 0
+    assert device["kv_cache_bytes"] == device["kv_blocks_total"] * device["kv_bytes_per_block"] == ledger["kv_cache_bytes"]
+    assert device["state_slots_total"] == device["state_cache_bytes"] == ledger["state_cache_bytes"] == 0  # no state
+    assert device["caches"] and device["caches"][0].startswith("attention: 2 layer(s)")
 
 
 def _idle(server) -> bool:

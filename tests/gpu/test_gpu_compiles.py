@@ -32,8 +32,15 @@ def compiled_variants() -> dict[str, set]:
     return variants
 
 
-def test_serving_after_warm_up_compiles_nothing(checkpoint_factory):
-    llm = LLM(checkpoint_factory("qwen3"), dtype="bfloat16", device="cuda", num_kv_blocks=512, max_num_seqs=16,
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
+def test_serving_after_warm_up_compiles_nothing(family, checkpoint_factory, tmp_path):
+    if family == "qwen3_next":  # attention and Gated DeltaNet layers, prefix checkpoints
+        from hybrid_checkpoints import make_hybrid_checkpoint
+
+        path = make_hybrid_checkpoint(str(tmp_path), family)
+    else:
+        path = checkpoint_factory(family)
+    llm = LLM(path, dtype="bfloat16", device="cuda", num_kv_blocks=512, max_num_seqs=16,
               max_num_batched_tokens=64)  # small budget: chunked prefill and mixed steps
     before = compiled_variants()
     assert sum(map(len, before.values())) > 0

@@ -20,6 +20,7 @@ from metrale.kernels import causal_conv1d as CV
 from metrale.kernels import gated_delta_rule as GD
 from metrale.kernels import gated_delta_step as GS
 from metrale.kernels import gemv as G
+from metrale.kernels import moe_gemv as MG
 from metrale.kernels import paged_attention as A
 from metrale.kernels import qk_norm_rope as Q
 from metrale.kernels import sampling as S
@@ -58,6 +59,20 @@ KERNELS = {
         "stride_xm": INT, "stride_wn": INT, "stride_ym": INT},
         {"M": 1, "HAS_BIAS": False, "EVEN_K": True, "BLOCK_N": 1, "BLOCK_K": 4096, "VEC": 8, "NUM_STAGES": 1,
          "PREFETCH": True, "PDL": True}, 8),
+    # The small-batch MoE GEMVs (moe_gemv_config): Qwen3-Next-80B-A3B's routed experts (hidden 2048,
+    # expert intermediate 512, top-10, bf16 routing weights) and Qwen3-30B-A3B's down (768, top-8)
+    "moe_gemv._gate_up_kernel": (MG._gate_up_kernel, {
+        "x_ptr": "*bf16", "w13_ptr": "*bf16", "ids_ptr": I64, "act_ptr": "*bf16",
+        **{name: INT for name in ("hidden_size", "inter_size", "expert_start", "num_local", "stride_xm", "stride_we",
+                                  "stride_wn", "stride_am")}},
+        {"TOP_K": 10, "BLOCK_I": 1, "BLOCK_K": 2048, "VEC": 8, "EVEN_K": True, "PDL": True}, 8),
+    **{f"moe_gemv._down_kernel[I={inter}]": (MG._down_kernel, {
+        "act_ptr": "*bf16", "w2_ptr": "*bf16", "ids_ptr": I64, "weights_ptr": "*bf16", "out_ptr": "*bf16",
+        **{name: INT for name in ("hidden_size", "inter_size", "expert_start", "num_local", "stride_am", "stride_we",
+                                  "stride_wn", "stride_om")}},
+        {"TOP_K": top_k, "BLOCK_E": block_e, "BLOCK_N": 1, "BLOCK_K": block_k, "VEC": 8, "EVEN_K": True,
+         "PREFETCH": True, "PDL": True}, 4)
+       for inter, top_k, block_e, block_k in ((512, 10, 16, 512), (768, 8, 8, 256))},
     # Qwen3-8B's attention: 32 q heads over 8 kv heads of 128, bf16 cache
     **{f"paged_attention._decode_kernel[DIRECT={direct}]": (A._decode_kernel, {
         "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "bt_ptr": I32, "seq_lens_ptr": I32,
@@ -131,7 +146,9 @@ ALIGNED_INTS = {"stride_qs", "stride_qh", "stride_os", "stride_oh", "stride_cb",
                 "N", "K", "stride_xm", "stride_wn", "stride_ym",  # the GEMV at model shapes
                 # the Gated DeltaNet kernels: conv rows and channels, state slots and heads, q/k/v rows
                 "channels", "stride_x", "stride_out", "stride_ss", "stride_sw", "stride_sh", "stride_qn",
-                "stride_kn", "stride_vn", "stride_on", "stride_ot"}
+                "stride_kn", "stride_vn", "stride_on", "stride_ot",
+                # the small-batch MoE GEMVs: hidden and intermediate sizes, expert and row strides
+                "hidden_size", "inter_size", "stride_we", "stride_am", "stride_om"}
 
 
 def _launch_attrs(kernel, types: dict) -> dict:

@@ -1,6 +1,6 @@
 """Gated DeltaNet: the linear-attention layer of Qwen3-Next and Qwen3.5.
 
-    [q | k | v | z] = in_proj_qkvz(x)        [b | a] = in_proj_ba(x)
+    [q | k | v | z | b | a] = in_proj(x)                     one matmul (one GEMV at batch 1)
     q, k, v = split(silu(causal_conv1d([q | k | v])))        per request, over its saved inputs
     o = gated_delta_rule(l2norm(q), l2norm(k), v, g = A * softplus(a + dt_bias), beta = sigmoid(b))
     out = out_proj(rmsnorm(o) * silu(z))                     per value head
@@ -15,10 +15,10 @@ stored [kernel - 1, conv_dim] so that the kernels read whole vectors of channels
 [conv_dim, kernel - 1]; model dtype) and the recurrent state ([value_heads, key_dim, value_dim],
 --ssm-h-dtype) of each request.
 
-Checkpoints lay the input projections out two ways: Qwen3.5's in_proj_qkv / in_proj_z /
-in_proj_b / in_proj_a map onto our segments (the model's stacked_params), and Qwen3-Next's fused
-in_proj_qkvz / in_proj_ba interleave them per key head ([q_h, k_h, v_h, z_h] for each h), which
-this layer's loaders take apart.
+Checkpoints lay the input projections out two ways, both mapped onto in_proj's segments by the
+model's stacked_params: Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a are segments
+(0, 1, 2), 3, 4 and 5; Qwen3-Next's in_proj_qkvz / in_proj_ba interleave them per key head
+([q_h, k_h, v_h, z_h] for each h), which this layer's loader takes apart (shard ids "qkvz", "ba").
 """
 
 from __future__ import annotations
@@ -56,10 +56,9 @@ class GatedDeltaNet(nn.Module):
         full_k, full_v = self.total_k_heads * self.head_k_dim, self.total_v_heads * self.head_v_dim
         self._conv_segments = [full_k, full_k, full_v]
 
-        self.in_proj_qkvz = MergedColumnParallelLinear(config.hidden_size, [full_k, full_k, full_v, full_v])
-        self.in_proj_ba = MergedColumnParallelLinear(config.hidden_size, [self.total_v_heads] * 2)
-        self.in_proj_qkvz.weight.weight_loader = self._load_qkvz
-        self.in_proj_ba.weight.weight_loader = self._load_ba
+        self.in_proj = MergedColumnParallelLinear(config.hidden_size, [full_k, full_k, full_v, full_v]
+                                                  + [self.total_v_heads] * 2)
+        self.in_proj.weight.weight_loader = self._load_in_proj
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.kernel_size), requires_grad=False)
         self.conv1d.weight.weight_loader = self._load_conv
@@ -75,21 +74,15 @@ class GatedDeltaNet(nn.Module):
 
     # -- weights -----------------------------------------------------------------------------
 
-    def _load_qkvz(self, param, loaded, shard_id=None):
-        """Qwen3.5 (shard ids from stacked_params) or Qwen3-Next's per-key-head interleaving."""
-        if shard_id is not None:
-            return MergedColumnParallelLinear.weight_loader(self.in_proj_qkvz, param, loaded, shard_id)
+    def _load_in_proj(self, param, loaded, shard_id):
+        """Segment ids (Qwen3.5) or a Qwen3-Next tensor interleaved per key head: "qkvz" fills
+        segments 0-3, "ba" segments 4-5."""
+        if shard_id not in ("qkvz", "ba"):
+            return MergedColumnParallelLinear.weight_loader(self.in_proj, param, loaded, shard_id)
         r, dk, dv = self.total_v_heads // self.total_k_heads, self.head_k_dim, self.head_v_dim
-        grouped = self._grouped(loaded, [dk, dk, r * dv, r * dv], "in_proj_qkvz")
-        for shard, part in enumerate(grouped):
-            MergedColumnParallelLinear.weight_loader(self.in_proj_qkvz, param, part, shard)
-
-    def _load_ba(self, param, loaded, shard_id=None):
-        if shard_id is not None:
-            return MergedColumnParallelLinear.weight_loader(self.in_proj_ba, param, loaded, shard_id)
-        r = self.total_v_heads // self.total_k_heads
-        for shard, part in enumerate(self._grouped(loaded, [r, r], "in_proj_ba")):
-            MergedColumnParallelLinear.weight_loader(self.in_proj_ba, param, part, shard)
+        widths, first = ([dk, dk, r * dv, r * dv], 0) if shard_id == "qkvz" else ([r, r], 4)
+        for shard, part in enumerate(self._grouped(loaded, widths, f"in_proj_{shard_id}"), start=first):
+            MergedColumnParallelLinear.weight_loader(self.in_proj, param, part, shard)
 
     def _grouped(self, loaded: torch.Tensor, widths: list[int], name: str) -> list[torch.Tensor]:
         """Rows interleaved per key head, [h][part][width] -> each part's rows for all heads."""
@@ -136,8 +129,8 @@ class GatedDeltaNet(nn.Module):
         ctx = get_forward_context()
         backend, metadata = ctx.backends[KIND], ctx.metadata[KIND]
         tokens = hidden.shape[0]
-        mixed, z = self.in_proj_qkvz(hidden).split([self.conv_dim, self.value_dim], dim=-1)
-        b, a = self.in_proj_ba(hidden).split([self.num_v_heads, self.num_v_heads], dim=-1)
+        mixed, z, b, a = self.in_proj(hidden).split([self.conv_dim, self.value_dim, self.num_v_heads,
+                                                     self.num_v_heads], dim=-1)
         mixed = backend.conv(mixed, self.conv1d.weight.view(self.conv_dim, self.kernel_size), None, self.conv_state,
                              metadata)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

@@ -114,7 +114,11 @@ class FusedMoE(nn.Module):
         """hidden [T, H], router_logits [T, num_experts] -> [T, H], summed over the layout's ranks."""
         topk_weights, topk_ids = self.route(router_logits)
         if use_triton(hidden):
-            from metrale.layers.moe.triton_moe import fused_experts_triton as experts
+            from metrale.kernels.moe_gemv import fused_experts_small_batch_triton, use_small_batch
+            from metrale.layers.moe.triton_moe import fused_experts_triton
+
+            # Decode-sized batches: per-assignment GEMVs; larger ones: the grouped GEMM.
+            experts = fused_experts_small_batch_triton if use_small_batch(hidden.shape[0]) else fused_experts_triton
         else:
             experts = fused_experts_reference
         out = experts(hidden, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)

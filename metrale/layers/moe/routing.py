@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from metrale.kernels import moe_routing, use_triton
+
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
 
 
@@ -20,7 +22,11 @@ def select_experts(router_logits: torch.Tensor, top_k: int, scoring: str = "soft
                    correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [tokens, num_experts] -> (topk_weights float32 [tokens, k], topk_ids int64 [tokens, k]).
 
-    Ids are global expert ids; which rank holds an expert is the layer's business, not the router's."""
+    Ids are global expert ids; which rank holds an expert is the layer's business, not the router's.
+    On CUDA, softmax routing without a correction bias takes one fused launch (kernels/moe_routing.py)."""
+    if (scoring == "softmax" and correction_bias is None and use_triton(router_logits)
+            and moe_routing.supports(router_logits.shape[-1], top_k)):
+        return moe_routing.softmax_topk_triton(router_logits, top_k, renormalize)
     if scoring == "softmax":
         scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     elif scoring == "sigmoid":
