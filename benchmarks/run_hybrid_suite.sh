@@ -23,15 +23,15 @@ PYTHONPATH=$BASE python3 -c 'import torch, transformers, triton; print(torch.__v
 NEXT="--model Qwen3-Next-80B-A3B-Instruct --load-format dummy --hf-overrides {\"num_hidden_layers\":24}"
 
 if [ "$MODE" = tests ]; then
-  PYTHONPATH=$BASE timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -rs -p no:cacheprovider \
+  PYTHONPATH=$BASE timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rs -p no:cacheprovider \
       tests/kernels/test_gated_delta_rule.py tests/kernels/test_causal_conv1d.py tests/kernels/test_moe_routing.py \
-      tests/gpu/test_gpu_hybrid.py tests/gpu/test_gpu_compiles.py tests/gpu/test_gpu_moe.py \
+      tests/gpu/test_gpu_hybrid.py tests/gpu/test_gpu_compiles.py \
       ${EXTRA_TESTS:-} --durations=12 > "$W/gpu_tests.log" 2>&1
   grep -cE " PASSED" "$W/gpu_tests.log"; grep -E "FAILED|ERROR|passed|failed" "$W/gpu_tests.log" | tail -20
-  PYTHONPATH=$WITH_FLA timeout 120 python3 benchmarks/gdn_bench.py > "$W/gdn_bench.log" 2>&1; tail -25 "$W/gdn_bench.log"
-  [ -f benchmarks/moe_decode_bench.py ] && { PYTHONPATH=$BASE timeout 90 python3 benchmarks/moe_decode_bench.py \
+  PYTHONPATH=$WITH_FLA timeout 90 python3 benchmarks/gdn_bench.py > "$W/gdn_bench.log" 2>&1; tail -25 "$W/gdn_bench.log"
+  [ -f benchmarks/moe_decode_bench.py ] && { PYTHONPATH=$BASE timeout 60 python3 benchmarks/moe_decode_bench.py \
       > "$W/moe_decode_bench.log" 2>&1; tail -14 "$W/moe_decode_bench.log"; }
-  PYTHONPATH=$BASE timeout 200 python3 benchmarks/profile_step.py $NEXT --num-prompts 1 --max-num-seqs 1 \
+  PYTHONPATH=$BASE timeout 150 python3 benchmarks/profile_step.py $NEXT --num-prompts 1 --max-num-seqs 1 \
       --table-rows 40 > "$W/profile_next_bs1.log" 2>&1; grep -E "steady|GPU busy" "$W/profile_next_bs1.log"
 fi
 

@@ -21,6 +21,7 @@ from metrale.kernels import gated_delta_rule as GD
 from metrale.kernels import gated_delta_step as GS
 from metrale.kernels import gemv as G
 from metrale.kernels import moe_gemv as MG
+from metrale.kernels import moe_routing as MR
 from metrale.kernels import paged_attention as A
 from metrale.kernels import qk_norm_rope as Q
 from metrale.kernels import sampling as S
@@ -73,6 +74,10 @@ KERNELS = {
         {"TOP_K": top_k, "BLOCK_E": block_e, "BLOCK_N": 1, "BLOCK_K": block_k, "VEC": 8, "EVEN_K": True,
          "PREFETCH": True, "PDL": True}, 4)
        for inter, top_k, block_e, block_k in ((512, 10, 16, 512), (768, 8, 8, 256))},
+    # Qwen3-Next-80B-A3B's router: softmax top-10 of 512 experts, renormalised
+    "moe_routing._softmax_topk_kernel": (MR._softmax_topk_kernel, {
+        "logits_ptr": "*bf16", "weights_ptr": F32, "ids_ptr": I64, "n_rows": INT, "num_experts": INT,
+        "stride_row": INT}, {"TOP_K": 10, "BLOCK_K": 16, "BLOCK_E": 512, "RENORMALIZE": True, "PDL": True}, 4),
     # Qwen3-8B's attention: 32 q heads over 8 kv heads of 128, bf16 cache
     **{f"paged_attention._decode_kernel[DIRECT={direct}]": (A._decode_kernel, {
         "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "bt_ptr": I32, "seq_lens_ptr": I32,

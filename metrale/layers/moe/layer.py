@@ -6,9 +6,11 @@ Expert weights are stacked per layer, gate and up fused as in the dense MLP:
     w2  [local_experts, hidden, local_intermediate]       down
 
 where local_experts is this rank's contiguous expert range and local_intermediate its slice of
-each expert (see parallel.py). Routing always runs over all experts (the router is replicated);
-assignments to experts held elsewhere contribute zero and one all-reduce over the layout's group
-sums the partial outputs. CUDA tensors take the Triton grouped GEMM, others the PyTorch loop.
+each expert (see distributed/moe_layout.py). Routing always runs over all experts (the router is
+replicated; softmax routing is one fused launch on CUDA); assignments to experts held elsewhere
+contribute zero and one all-reduce over the layout's group sums the partial outputs. On CUDA,
+decode-sized batches (up to kernels/moe_gemv.MAX_TOKENS tokens) take per-assignment GEMVs and
+larger ones the Triton grouped GEMM; other devices take the PyTorch loop.
 """
 
 from __future__ import annotations
