@@ -11,6 +11,7 @@ set -uo pipefail
 MODE="${1:-tests}"
 OUT="${OUT:-/tmp/met-hybrid}"
 W=$(mktemp -d)
+[ "$MODE" = bench ] && W="$OUT"  # at most 8 files, each back even if the call is cut short
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MET_HYBRID_CHECKPOINTS="$PWD/.ckpt/hybrid"
 mkdir -p "$OUT" /tmp/site /tmp/site_fla
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/transformers-*.whl
@@ -19,7 +20,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 BASE="/tmp/site:$PYTHONPATH"
 WITH_FLA="/tmp/site:/tmp/site_fla:$PYTHONPATH"
 echo "${MET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" > "$W/commit.txt"
-PYTHONPATH=$BASE python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name(0))' | tee "$W/versions.txt"
+PYTHONPATH=$BASE python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name(0))' | tee -a "$W/commit.txt"
 NEXT="--model Qwen3-Next-80B-A3B-Instruct --load-format dummy --hf-overrides {\"num_hidden_layers\":24}"
 
 if [ "$MODE" = tests ]; then
@@ -31,21 +32,24 @@ if [ "$MODE" = tests ]; then
   PYTHONPATH=$WITH_FLA timeout 90 python3 benchmarks/gdn_bench.py > "$W/gdn_bench.log" 2>&1; tail -25 "$W/gdn_bench.log"
   [ -f benchmarks/moe_decode_bench.py ] && { PYTHONPATH=$BASE timeout 60 python3 benchmarks/moe_decode_bench.py \
       > "$W/moe_decode_bench.log" 2>&1; tail -14 "$W/moe_decode_bench.log"; }
-  PYTHONPATH=$BASE timeout 150 python3 benchmarks/profile_step.py $NEXT --num-prompts 1 --max-num-seqs 1 \
-      --table-rows 40 > "$W/profile_next_bs1.log" 2>&1; grep -E "steady|GPU busy" "$W/profile_next_bs1.log"
 fi
 
 if [ "$MODE" = bench ]; then
   BENCH="python3 -m metrale.entrypoints.cli bench"
-  PYTHONPATH=$BASE timeout 180 $BENCH latency $NEXT --batch-size 1 --input-len 512 --output-len 128 \
+  PYTHONPATH=$BASE timeout 150 $BENCH latency $NEXT --batch-size 1 --input-len 512 --output-len 128 \
       --max-model-len 4096 --max-num-seqs 8 --output-json "$W/latency_qwen3_next.json" > "$W/latency.log" 2>&1
   tail -4 "$W/latency.log"
-  PYTHONPATH=$BASE timeout 240 $BENCH throughput $NEXT --num-prompts 256 --input-len-range 100 1024 \
+  PYTHONPATH=$BASE timeout 200 $BENCH throughput $NEXT --num-prompts 256 --input-len-range 100 1024 \
       --output-len-range 100 1024 --max-model-len 4096 --max-num-seqs 256 \
       --output-json "$W/throughput_qwen3_next.json" > "$W/throughput.log" 2>&1
   tail -4 "$W/throughput.log"
-  PYTHONPATH=$WITH_FLA timeout 150 python3 benchmarks/hf_baseline.py latency --model Qwen3-Next-80B-A3B-Instruct \
+  PYTHONPATH=$WITH_FLA timeout 110 python3 benchmarks/hf_baseline.py latency --model Qwen3-Next-80B-A3B-Instruct \
       --hf-overrides '{"num_hidden_layers":24}' --input-len 512 --output-len 64 \
       --output-json "$W/hf_latency_qwen3_next.json" > "$W/hf_latency.log" 2>&1; tail -8 "$W/hf_latency.log"
 fi
-tar -czf "$OUT/results.tgz" -C "$W" .
+if [ "$MODE" = tests ] || [ "$MODE" = bench ]; then
+  PYTHONPATH=$BASE timeout 130 python3 benchmarks/profile_step.py --model Qwen3-Next-80B-A3B-Instruct \
+      --hf-overrides '{"num_hidden_layers":24}' --num-prompts 1 --max-num-seqs 1 --table-rows 40 \
+      > "$W/profile_next_bs1.log" 2>&1; grep -E "steady|GPU busy" "$W/profile_next_bs1.log"
+fi
+[ "$W" != "$OUT" ] && tar -czf "$OUT/results.tgz" -C "$W" .

@@ -70,13 +70,14 @@ from metrale.kernels import pdl_args, pdl_launch_dependents, pdl_wait, tl, trito
 MAX_TOKENS = 16
 
 
-def use_small_batch(num_tokens: int) -> bool:
+def use_small_batch(num_tokens: int, intermediate_size: int = 512) -> bool:
     """Whether `FusedMoE` takes `fused_experts_small_batch_triton` for a CUDA batch of this many
     tokens (else the grouped GEMM of triton_moe). The GEMVs do one product per (assignment, weight
     element) on CUDA cores and re-read an expert's rows (from L2) once per token routed to it, so
-    they suit batches where experts see about one token each; MAX_TOKENS is that regime's bound
-    from the decode batch sizes, not yet a measured crossover (benchmarks/moe_decode_bench.py)."""
-    return num_tokens <= MAX_TOKENS
+    they suit batches where experts see about one token each. The crossover measured on an H200
+    (benchmarks/moe_decode_bench.py, docs/benchmarks.md): still 1.18x faster at 16 tokens for
+    Qwen3-Next's 512-wide experts, 1.23x at 8 and 0.86x at 16 for Qwen3-30B-A3B's 768-wide ones."""
+    return num_tokens <= (MAX_TOKENS if intermediate_size <= 512 else 8)
 
 
 class MoeGemvConfig(NamedTuple):

@@ -120,7 +120,7 @@ class FusedMoE(nn.Module):
             from metrale.layers.moe.triton_moe import fused_experts_triton
 
             # Decode-sized batches: per-assignment GEMVs; larger ones: the grouped GEMM.
-            experts = fused_experts_small_batch_triton if use_small_batch(hidden.shape[0]) else fused_experts_triton
+            experts = fused_experts_small_batch_triton if use_small_batch(hidden.shape[0], self.local_intermediate) else fused_experts_triton
         else:
             experts = fused_experts_reference
         out = experts(hidden, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)
