@@ -2,6 +2,7 @@
 # The hybrid (linear-attention) families on one GPU, in two calls of a few minutes each:
 #     OUT=/tmp/out bash benchmarks/run_hybrid_suite.sh tests    # GPU tests, kernel benchmarks, a profile
 #     OUT=/tmp/out bash benchmarks/run_hybrid_suite.sh bench    # met and transformers on Qwen3-Next-80B-A3B
+#     OUT=/tmp/out bash benchmarks/run_hybrid_suite.sh final    # $FINAL_TESTS, then met's batch-1 latency again
 # Carried beside the tree (see docs/benchmarks.md): .whl/ with transformers (a release that knows
 # Qwen3.5), fla-core and einops; .ckpt/hybrid/ from `python tests/hybrid_checkpoints.py .ckpt/hybrid`
 # (tiny checkpoints and transformers' tokens for them, made where transformers knows every family).
@@ -11,7 +12,7 @@ set -uo pipefail
 MODE="${1:-tests}"
 OUT="${OUT:-/tmp/met-hybrid}"
 W=$(mktemp -d)
-[ "$MODE" = bench ] && W="$OUT"  # at most 8 files, each back even if the call is cut short
+[ "$MODE" != tests ] && W="$OUT"  # at most 8 files, each back even if the call is cut short
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MET_HYBRID_CHECKPOINTS="$PWD/.ckpt/hybrid"
 mkdir -p "$OUT" /tmp/site /tmp/site_fla
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/transformers-*.whl
@@ -32,6 +33,16 @@ if [ "$MODE" = tests ]; then
   PYTHONPATH=$WITH_FLA timeout 90 python3 benchmarks/gdn_bench.py > "$W/gdn_bench.log" 2>&1; tail -25 "$W/gdn_bench.log"
   [ -f benchmarks/moe_decode_bench.py ] && { PYTHONPATH=$BASE timeout 60 python3 benchmarks/moe_decode_bench.py \
       > "$W/moe_decode_bench.log" 2>&1; tail -14 "$W/moe_decode_bench.log"; }
+fi
+
+if [ "$MODE" = final ]; then
+  PYTHONPATH=$BASE timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -rs -p no:cacheprovider $FINAL_TESTS \
+      --durations=12 > "$W/gpu_tests.log" 2>&1
+  grep -cE " PASSED" "$W/gpu_tests.log"; grep -E "FAILED|ERROR|passed|failed" "$W/gpu_tests.log" | tail -20
+  PYTHONPATH=$BASE timeout 150 python3 -m metrale.entrypoints.cli bench latency $NEXT --batch-size 1 --input-len 512 \
+      --output-len 128 --max-model-len 4096 --max-num-seqs 8 --output-json "$W/latency_qwen3_next_final.json" \
+      > "$W/latency_final.log" 2>&1
+  tail -4 "$W/latency_final.log"
 fi
 
 if [ "$MODE" = bench ]; then

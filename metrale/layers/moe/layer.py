@@ -105,12 +105,10 @@ class FusedMoE(nn.Module):
                 self.weight_loader(param, loaded[expert, full_i:], "w3", expert)
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.scoring, self.renormalize,
-                                                self.e_score_correction_bias)
-        if self.scoring == "softmax":
-            # transformers rounds softmax routing weights to the model dtype; sigmoid ones stay float32.
-            topk_weights = topk_weights.to(router_logits.dtype)
-        return topk_weights, topk_ids
+        # transformers rounds softmax routing weights to the model dtype; sigmoid ones stay float32.
+        dtype = router_logits.dtype if self.scoring == "softmax" else torch.float32
+        return select_experts(router_logits, self.top_k, self.scoring, self.renormalize, self.e_score_correction_bias,
+                              dtype)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], router_logits [T, num_experts] -> [T, H], summed over the layout's ranks."""

@@ -19,14 +19,16 @@ SCORING_FUNCTIONS = ("softmax", "sigmoid")
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = True,
-                   correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [tokens, num_experts] -> (topk_weights float32 [tokens, k], topk_ids int64 [tokens, k]).
+                   correction_bias: torch.Tensor | None = None,
+                   weight_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [tokens, num_experts] -> (topk_weights [tokens, k] in weight_dtype, rounded once
+    from float32; topk_ids int64 [tokens, k]).
 
     Ids are global expert ids; which rank holds an expert is the layer's business, not the router's.
     On CUDA, softmax routing without a correction bias takes one fused launch (kernels/moe_routing.py)."""
     if (scoring == "softmax" and correction_bias is None and use_triton(router_logits)
             and moe_routing.supports(router_logits.shape[-1], top_k)):
-        return moe_routing.softmax_topk_triton(router_logits, top_k, renormalize)
+        return moe_routing.softmax_topk_triton(router_logits, top_k, renormalize, weight_dtype)
     if scoring == "softmax":
         scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     elif scoring == "sigmoid":
@@ -41,4 +43,4 @@ def select_experts(router_logits: torch.Tensor, top_k: int, scoring: str = "soft
         topk_weights = scores.gather(1, topk_ids)
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return topk_weights, topk_ids
+    return topk_weights.to(weight_dtype), topk_ids
