@@ -43,13 +43,16 @@ def varlen_blocks(query_start_loc: torch.Tensor, query_start_cpu: list[int] | No
         for t0 in range(starts[i], starts[i + 1], block):
             table += (i, t0)
         first.append(len(table) // 2)
-    host = torch.tensor(table + first, dtype=torch.int32)
+    num_blocks = len(table) // 2
+    # first_block starts 16-byte aligned: Triton compiles a variant per pointer alignment, and an
+    # offset that changed with the block count would recompile the kernels mid-serving.
+    offset = -(-2 * num_blocks // 4) * 4
+    host = torch.tensor(table + [0] * (offset - len(table)) + first, dtype=torch.int32)
     device = query_start_loc.device
     if device.type == "cuda":  # pinned, so the copy is asynchronous (the caching host allocator
         host = host.pin_memory()  # keeps the buffer until the copy has run)
     packed = host.to(device, non_blocking=True)
-    num_blocks = len(table) // 2
-    return packed[:2 * num_blocks].view(num_blocks, 2), packed[2 * num_blocks:], num_blocks
+    return packed[:2 * num_blocks].view(num_blocks, 2), packed[offset:], num_blocks
 
 
 @triton.jit

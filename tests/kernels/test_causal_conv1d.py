@@ -128,3 +128,15 @@ def test_causal_conv1d_gpu(dtype):
     lengths = [1, 3000, 64, 65, 900, 66]
     _run_varlen("cuda", dtype, lengths, [True, False, True, False, True, True], channels=8192)
     _run_step("cuda", dtype, num_seqs=256, channels=8192, pad_rows=(7,))
+
+
+@pytest.mark.parametrize("lengths", [[1], [1, 2], [65, 3, 7]])
+def test_varlen_blocks_first_block_is_16_byte_aligned(lengths):
+    """An alignment that changed with the block count would compile new kernel variants mid-serving
+    (seen on an H200: the state kernel after the warm-up)."""
+    from metrale.kernels.causal_conv1d import varlen_blocks
+
+    qsl = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    blocks, first, num_blocks = varlen_blocks(qsl, None, 64)
+    assert first.data_ptr() % 16 == 0 and blocks.data_ptr() % 16 == 0
+    assert first.tolist()[-1] == num_blocks == sum(-(-n // 64) for n in lengths)
