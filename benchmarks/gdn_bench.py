@@ -30,6 +30,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gemv_bench import copy_bandwidth, time_graph  # noqa: E402  (this directory's GEMV benchmark: the same timing)
 
 KEY_HEADS, VALUE_HEADS, HEAD_DIM, CONV_WIDTH = 16, 32, 128, 4
 L2_BYTES = 60 << 20  # above an H100/H200's L2: the decode pools are made larger than this
@@ -65,55 +67,11 @@ def _err(e):
     return f"{type(e).__name__}: {e}"[:80].replace("|", "/").replace("\n", " ")
 
 
-def time_graph(fn, calls, replays):
-    """Median µs per call of fn(i), i = 0..calls-1, captured back to back in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up (and Triton compilation) outside the capture
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    for _ in range(3):
-        graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    ms = statistics.median(s.elapsed_time(e) for s, e in events)
-    del graph
-    return ms * 1000.0 / calls
-
-
 def time_eager(fn):
     """Median µs of fn() with L2 flushed between calls (triton.testing.do_bench)."""
     import triton
 
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1000.0
-
-
-def copy_bandwidth(nbytes=1 << 30, reps=20):
-    """Bytes/s of a device-to-device copy (read + write counted), median over reps."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_(0, 255)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000.0)
-    del src, dst
-    return 2 * nbytes / statistics.median(times)
 
 
 class Shapes:

@@ -30,11 +30,6 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token, in the model dtype."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
-
 
 def read_config_json(model_dir: str) -> dict:
     path = os.path.join(model_dir, "config.json")

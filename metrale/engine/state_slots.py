@@ -46,10 +46,6 @@ class StateSlotPool:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    @property
-    def num_checkpoints_held(self) -> int:
-        return len(self._slot_of)
-
     def checkpoint(self, content_hash: bytes) -> int | None:
         return self._slot_of.get(content_hash)
 

@@ -41,8 +41,12 @@ class CacheTensors:
         return self.num_slots - 1
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.paged + self.states)
+    def paged_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.paged)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.states)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Block contents source -> destination in every paged cache (blocks are dimension 1)."""

@@ -223,8 +223,7 @@ def memory_ledger(engine) -> dict:
     device = runner.device
     weights = parameter_bytes(runner.model) + sum(b.numel() * b.element_size() for b in runner.model.buffers())
     caches = runner.caches
-    kv_cache = sum(c.numel() * c.element_size() for c in caches.paged) if caches else 0
-    state_cache = sum(c.numel() * c.element_size() for c in caches.states) if caches else 0
+    kv_cache, state_cache = (caches.paged_bytes, caches.state_bytes) if caches else (0, 0)
     graphs = runner.graphs.memory_bytes if runner.graphs is not None else 0
     ledger = {"device": str(device), "weights_bytes": weights, "kv_cache_bytes": kv_cache,
               "state_cache_bytes": state_cache,

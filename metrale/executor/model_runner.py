@@ -102,7 +102,6 @@ class ModelRunner:
         self.model = model
         self.model_config = model_config
         self.device = device
-        self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.layers = cached_layers(model)
         self.layout = CacheLayout.of(model, cache_config)
@@ -259,13 +258,12 @@ class ModelRunner:
         if (self.graphs is not None and batch.layout.is_pure_decode
                 and len(batch.sampled_request_ids) == num_tokens and self.graphs.can_run(num_tokens)):
             logits = self.graphs.run(batch.input_ids, batch.layout)
-            self.caches.copy_slots(plan.state_saves)
         else:
             hidden = self.forward(batch)
-            self.caches.copy_slots(plan.state_saves)
-            if not batch.sampled_request_ids:
-                return PendingOutput(self, [], [], None)
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sampled_request_ids else None
+        self.caches.copy_slots(plan.state_saves)  # after the forward pass that computed the states
+        if logits is None:
+            return PendingOutput(self, [], [], None)
         states = [self.requests[request_id] for request_id in batch.sampled_request_ids]
         sampled = sample_tokens(logits, [SamplingRow(st.sampling_params, st.seed, st.token_ids, st.num_prompt_tokens)
                                          for st in states])

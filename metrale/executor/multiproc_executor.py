@@ -41,8 +41,6 @@ class UniprocExecutor:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(plan)
 
     def execute_async(self, plan: SchedulerOutput):
         """Launch a step; the returned PendingOutput's result() reads its sampled tokens."""
@@ -82,8 +80,6 @@ class MultiprocExecutor:
     def world_size(self) -> int:
         return self.parallel.topology.world_size
 
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_async(plan).result()
 
     def execute_async(self, plan: SchedulerOutput) -> RankZeroStep:
         """Send the plan to the workers, then launch it here; the workers follow the same order

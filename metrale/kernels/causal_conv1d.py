@@ -88,6 +88,16 @@ def _tap(w_ptr, c, cmask, stride_w, lag: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
+def _weights(w_ptr, bias_ptr, c, cmask, stride_w, KW: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # The four taps (by lag) and the bias of channels c, in fp32 (zeros past the width / no bias).
+    bias = tl.zeros(c.shape, dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+    return (_tap(w_ptr, c, cmask, stride_w, 0, KW), _tap(w_ptr, c, cmask, stride_w, 1, KW),
+            _tap(w_ptr, c, cmask, stride_w, 2, KW), _tap(w_ptr, c, cmask, stride_w, 3, KW), bias)
+
+
+@triton.jit
 def _conv1d_varlen_kernel(
     x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, qsl_ptr, blocks_ptr, slots_ptr, has_state_ptr,
     channels, stride_x, stride_out, stride_w, stride_ss, stride_sc, stride_sw,
@@ -107,13 +117,7 @@ def _conv1d_varlen_kernel(
     cmask = c < channels
     w_dtype: tl.constexpr = w_ptr.dtype.element_ty
     state_c = state_ptr + slot * stride_ss + c * stride_sc
-    w0 = _tap(w_ptr, c, cmask, stride_w, 0, KW)
-    w1 = _tap(w_ptr, c, cmask, stride_w, 1, KW)
-    w2 = _tap(w_ptr, c, cmask, stride_w, 2, KW)
-    w3 = _tap(w_ptr, c, cmask, stride_w, 3, KW)
-    bias = tl.zeros([BLOCK_C], dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+    w0, w1, w2, w3, bias = _weights(w_ptr, bias_ptr, c, cmask, stride_w, KW, HAS_BIAS)
 
     # Only a sequence's first block reaches before its start (BLOCK_T >= KW - 1).
     x1 = _input(x_ptr, state_c, t0 - 1, start, hist_lo, stride_x, stride_sw, c, channels, KW, w_dtype)
@@ -170,13 +174,7 @@ def _conv1d_step_kernel(
     n = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < channels
-    w0 = _tap(w_ptr, c, cmask, stride_w, 0, KW)
-    w1 = _tap(w_ptr, c, cmask, stride_w, 1, KW)
-    w2 = _tap(w_ptr, c, cmask, stride_w, 2, KW)
-    w3 = _tap(w_ptr, c, cmask, stride_w, 3, KW)
-    bias = tl.zeros([BLOCK_C], dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+    w0, w1, w2, w3, bias = _weights(w_ptr, bias_ptr, c, cmask, stride_w, KW, HAS_BIAS)
     pdl_wait(PDL)
     slot = tl.load(slots_ptr + n).to(tl.int64)
     out_ptrs = out_ptr + n.to(tl.int64) * stride_out + c

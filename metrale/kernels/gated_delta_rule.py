@@ -86,6 +86,13 @@ def _mm_f32(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
+def _chunk_rows(chunks_ptr, qsl_ptr, chunk):
+    # The chunk's first row and its sequence's end row (the chunk table of varlen_blocks).
+    seq = tl.load(chunks_ptr + 2 * chunk)
+    return tl.load(chunks_ptr + 2 * chunk + 1), tl.load(qsl_ptr + seq + 1)
+
+
+@triton.jit
 def _diagonal_inverse(a, CHUNK: tl.constexpr, SUB: tl.constexpr):
     # a [CHUNK, CHUNK] strictly lower -> the inverse of (I + a)'s diagonal SUB x SUB blocks, as a
     # block-diagonal [CHUNK, CHUNK]. The blocks are taken out as a batch [NB, SUB, SUB] and
@@ -129,9 +136,7 @@ def _prepare_kernel(
     # keys' normalisation is applied to the products: k_i . k_j = rk_i rk_j (raw_i . raw_j).
     chunk = tl.program_id(0)
     hv = tl.program_id(1)
-    seq = tl.load(chunks_ptr + 2 * chunk)
-    t0 = tl.load(chunks_ptr + 2 * chunk + 1)
-    end = tl.load(qsl_ptr + seq + 1)
+    t0, end = _chunk_rows(chunks_ptr, qsl_ptr, chunk)
     i = tl.arange(0, CHUNK)
     d = tl.arange(0, BD)[None, :]
     live = t0 + i < end
@@ -241,9 +246,7 @@ def _output_kernel(
     # grid (num_chunks, value_heads, DV // BV); u_ptr holds the new values V' by now.
     chunk = tl.program_id(0)
     hv = tl.program_id(1)
-    seq = tl.load(chunks_ptr + 2 * chunk)
-    t0 = tl.load(chunks_ptr + 2 * chunk + 1)
-    end = tl.load(qsl_ptr + seq + 1)
+    t0, end = _chunk_rows(chunks_ptr, qsl_ptr, chunk)
     i = tl.arange(0, CHUNK)
     rmask = t0 + i < end
     rows = (t0 + i).to(tl.int64)

@@ -233,7 +233,7 @@ def test_qwen3_layer_fused_matches_unfused(device, dtype):
         q, k = _layer_qk(layer, hidden)
         q_unfused, k_unfused = layer.rotary_emb(positions, layer.q_norm(q.clone()), layer.k_norm(k.clone()))
         attn = layer.attn
-        q_layer, k_layer = attn._norm_and_rope(positions, q.clone(), k.clone(), attn._fusable_norm_weights())
+        q_layer, k_layer = attn._norm_and_rope(positions, q.clone(), k.clone(), attn._fused_norm)
         rope = layer.rotary_emb
         q_f, k_f = qk_norm_rope_triton(positions, q, k, layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps,
                                        rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style)

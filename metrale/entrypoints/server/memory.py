@@ -49,7 +49,7 @@ class MemoryReport:
         self.kv_bytes_per_block = layout.bytes_per_block
         self.state_bytes_per_slot = layout.bytes_per_slot
         self.caches = layout.summary()
-        self.num_state_slots = llm.runner.caches.num_slots if llm.runner.caches is not None else 0
+        self.state_cache_bytes = llm.runner.caches.state_bytes if llm.runner.caches is not None else 0
         self.block_size = llm.args.block_size
         plan = getattr(llm, "memory_plan", None)
         self.activation_bytes = getattr(plan, "activation_reserve_bytes", 0)
@@ -73,7 +73,7 @@ class MemoryReport:
             "kv_blocks_in_use": snapshot.kv_blocks_total - snapshot.kv_blocks_free,
             "kv_block_size_tokens": self.block_size,
             "kv_bytes_per_block": self.kv_bytes_per_block,
-            "state_cache_bytes": self.num_state_slots * self.state_bytes_per_slot,
+            "state_cache_bytes": self.state_cache_bytes,
             "state_bytes_per_slot": self.state_bytes_per_slot,
             "state_slots_total": snapshot.state_slots_total,
             "state_slots_in_use": snapshot.state_slots_total - snapshot.state_slots_free,

@@ -36,6 +36,7 @@ class Attention(nn.Module):
         self.layer_index = layer_index
         self.rotary = rotary
         self._qk_norm = qk_norm  # a tuple: not registered as submodules
+        self._fused_norm = _fusable_norm_weights(qk_norm)
         # Bound by the model runner once the pool exists: (k_cache, v_cache), each
         # [num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -75,7 +76,7 @@ class Attention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         backend, metadata = ctx.backends[KIND], ctx.metadata[KIND]
-        fused_norm = self._fusable_norm_weights()
+        fused_norm = self._fused_norm
         if self._can_fuse_prologue(q, backend):
             from metrale.kernels.qk_norm_rope import rope_store_kv_triton
 
@@ -103,16 +104,6 @@ class Attention(nn.Module):
         return (self.rotary is not None and use_triton(q) and backend.fused_prologue
                 and self.observed_amax is None)
 
-    def _fusable_norm_weights(self):
-        """(q_weight, k_weight, eps) when the q/k norms are plain RMSNorms of one eps, which the
-        Triton prologue applies itself; None otherwise (no norms, or another kind)."""
-        if self._qk_norm is None:
-            return None
-        q_norm, k_norm = self._qk_norm
-        if type(q_norm) is not RMSNorm or type(k_norm) is not RMSNorm or q_norm.eps != k_norm.eps:
-            return None
-        return q_norm.weight, k_norm.weight, q_norm.eps
-
     def _norms(self, q, k):
         if self._qk_norm is None:
             return q, k
@@ -129,3 +120,15 @@ class Attention(nn.Module):
             return qk_norm_rope_triton(positions, q, k, *fused_norm, rope.cos_sin_cache, rope.rotary_dim,
                                        rope.is_neox_style)
         return self.rotary(positions, *self._norms(q, k))
+
+
+def _fusable_norm_weights(qk_norm):
+    """(q_weight, k_weight, eps) when the q/k norms are plain RMSNorms of one eps, which the Triton
+    prologue applies itself; None otherwise (no norms, or another kind). The weights are the norms'
+    parameters, loaded in place later."""
+    if qk_norm is None:
+        return None
+    q_norm, k_norm = qk_norm
+    if type(q_norm) is not RMSNorm or type(k_norm) is not RMSNorm or q_norm.eps != k_norm.eps:
+        return None
+    return q_norm.weight, k_norm.weight, q_norm.eps
