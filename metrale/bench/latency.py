@@ -8,8 +8,6 @@ import random
 import statistics
 import time
 
-from metrale.bench.hardware import decode_floor, measure, prefill_floor
-from metrale.bench.workload import run_settings, weights_read_per_step
 from metrale.messages.sampling_params import SamplingParams
 
 
@@ -35,6 +33,10 @@ def _one_batch(engine, prompts, output_len, tag) -> tuple[float, list[float]]:
 
 
 def run(args: argparse.Namespace, llm_factory) -> dict:
+    # Here, not at the top: `met --help` imports this module and must not import torch.
+    from metrale.bench.hardware import decode_floor, measure, prefill_floor
+    from metrale.bench.workload import run_settings, weights_read_per_step
+
     llm = llm_factory()
     engine = llm.llm_engine
     rates = measure(engine.device)

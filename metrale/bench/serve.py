@@ -16,7 +16,6 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from metrale.bench.workload import random_workload
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +83,8 @@ def _summary(values: list[float]) -> dict:
 
 async def _drive(args) -> tuple[list[RequestResult], float, dict | None]:
     import httpx
+
+    from metrale.bench.workload import random_workload  # imports torch: not at the top, for `met --help`
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     work = random_workload(args.num_prompts, tuple(args.input_len_range), tuple(args.output_len_range),

@@ -6,8 +6,6 @@ import argparse
 import json
 import time
 
-from metrale.bench.hardware import measure, offline_floor
-from metrale.bench.workload import random_workload, run_settings, step_weight_bytes, weights_read_per_step
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +18,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, llm_factory) -> dict:
+    # Here, not at the top: `met --help` imports this module and must not import torch.
+    from metrale.bench.hardware import measure, offline_floor
+    from metrale.bench.workload import random_workload, run_settings, step_weight_bytes, weights_read_per_step
+
     workload = random_workload(args.num_prompts, tuple(args.input_len_range), tuple(args.output_len_range),
                                args.dataset_seed)
     llm = llm_factory()

@@ -101,9 +101,29 @@ def _serve(args: argparse.Namespace) -> int:
     return worker_status if worker_status is not None else run_server(args)
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help already says what it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.default in (None, argparse.SUPPRESS)
+                or "default" in text.lower()):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="met", description="met: LLM inference engine and OpenAI-compatible server")
+    """The whole command line. Building it imports nothing heavy (no torch, no transformers):
+    `met --help` and `met serve --help` answer at once."""
+    parser = argparse.ArgumentParser(prog="met", description="met: LLM inference engine and OpenAI-compatible server",
+                                     formatter_class=DefaultsShown)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_parser = sub.add_parser
+
+    def add_parser(name, **kwargs):
+        return _add_parser(name, formatter_class=DefaultsShown, **kwargs)
+
+    sub.add_parser = add_parser
 
     gen = sub.add_parser("generate", help="complete one prompt and print the result")
     gen.add_argument("--prompt", required=True)
@@ -121,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks, each beside the hardware floor of its run")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
+    _add_bench = bench_sub.add_parser
+    bench_sub.add_parser = lambda name, **kwargs: _add_bench(name, formatter_class=DefaultsShown, **kwargs)
     from metrale.bench import latency, throughput
 
     for name, module in (("latency", latency), ("throughput", throughput)):

@@ -1,7 +1,7 @@
 """`met serve`: the FastAPI app and the process around it.
 
-One process, two threads that matter: the asyncio loop (HTTP, tokenization on a helper
-thread) and the engine thread (AsyncEngine). Requests cross between them as Python objects in
+One process, and the threads that matter: the asyncio loop (HTTP), two tokenizer lanes
+(prompts.py) and the engine thread (AsyncEngine). Requests cross between them as Python objects in
 memory; nothing is pickled and no internal socket exists.
 """
 
@@ -155,7 +155,8 @@ async def _become_ready(state: ServerState, memory: list, started: float) -> Non
     model_dir = llm.model_config.model_dir
     tokenizer_dir = None if args.skip_tokenizer_init else (args.tokenizer or model_dir)
     try:
-        state.prompts = await asyncio.to_thread(PromptRenderer.load, tokenizer_dir, llm.model_config.vocab_size)
+        state.prompts = await asyncio.to_thread(PromptRenderer.load, tokenizer_dir, llm.model_config.vocab_size,
+                                                llm.model_config.max_model_len)
         memory.append(MemoryReport(state.engine))
         oom_watchdog.start_for(llm, args.oom_watchdog_mib)
     except Exception as e:  # noqa: BLE001 - the server cannot serve; say why and exit

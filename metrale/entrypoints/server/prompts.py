@@ -1,18 +1,34 @@
-"""The HTTP side's tokenizer: chat templates, tokenize, detokenize.
+"""The HTTP side's tokenizer: chat templates, tokenize, detokenize, and the cheap bounds that
+come before them.
 
-The engine thread owns the engine's tokenizer (detokenization of outputs); the server loads a
-second copy from the same directory, so the two threads never share a tokenizer object. Its
-work runs on one worker thread, which keeps long prompts off the event loop and the tokenizer
-single-threaded.
+The engine thread owns the engine's tokenizer (detokenization of outputs); the server loads its
+own copies from the same directory, so threads never share a tokenizer object (a Hugging Face
+fast tokenizer is not safe to call from two threads at once). The work runs in two lanes, each
+one worker thread with its own tokenizer: texts of at least LONG_TEXT_CHARS characters take the
+long lane, everything else the short one, so one huge prompt never delays another request's
+first token. The Rust tokenizer releases the GIL while it encodes, so neither lane holds up the
+event loop.
+
+Bounds before work, cheapest first (the body-size cap of the gate comes before all of them):
+- a text longer in characters than the context could hold (max_model_len times the longest
+  token's length) is refused without tokenizing it;
+- a text of more than PIECE_CHARS characters is counted piece by piece, and refused as soon as
+  the count is past the context, so tokenizing costs about one context's worth of text at most.
 """
 
 from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from metrale.entrypoints.server.errors import bad_request
 from metrale.entrypoints.server.protocol import ChatMessage
+
+LONG_TEXT_CHARS = 32 * 1024
+PIECE_CHARS = 256 * 1024
+# Tokens a piece boundary can add over tokenizing the text whole (a split word or space run).
+TOKENS_PER_CUT = 16
 
 
 def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
@@ -38,37 +54,86 @@ def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
     return rendered
 
 
+@dataclass
+class _Lane:
+    """One worker thread and the tokenizer only it calls."""
+
+    tokenizer: object
+    worker: ThreadPoolExecutor
+
+
+def context_error(limit: int, what: str, param: str):
+    return bad_request(f"This model's maximum context length is {limit} tokens. However, {what}. "
+                       f"Please reduce the length of the {'messages' if param == 'messages' else 'prompt'}.", param)
+
+
 class PromptRenderer:
-    def __init__(self, tokenizer, vocab_size: int):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizers: list | None, vocab_size: int, max_model_len: int):
+        """`tokenizers`: two copies of the same tokenizer (one per lane), or None (token ids only)."""
+        self.tokenizer = tokenizers[0] if tokenizers else None  # read-only uses: chat_template, eos
         self.vocab_size = vocab_size
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="met-tokenizer")
+        self.max_model_len = max_model_len
+        names = ("met-tokenizer", "met-tokenizer-long")
+        self._lanes = [_Lane(t, ThreadPoolExecutor(max_workers=1, thread_name_prefix=n))
+                       for t, n in zip(tokenizers or [None, None], names)]
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
+        self.max_prompt_chars = max_model_len * longest
 
     @classmethod
-    def load(cls, path: str | None, vocab_size: int) -> "PromptRenderer":
-        tokenizer = None
+    def load(cls, path: str | None, vocab_size: int, max_model_len: int) -> "PromptRenderer":
+        tokenizers = None
         if path is not None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-        return cls(tokenizer, vocab_size)
+            tokenizers = [AutoTokenizer.from_pretrained(path, trust_remote_code=False) for _ in range(2)]
+        return cls(tokenizers, vocab_size, max_model_len)
 
     def close(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        for lane in self._lanes:
+            lane.worker.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+    async def _run(self, chars: int, fn, *args):
+        """fn(tokenizer, *args) on the lane for a text of `chars` characters."""
+        lane = self._lanes[1 if chars >= LONG_TEXT_CHARS else 0]
+        return await asyncio.get_running_loop().run_in_executor(lane.worker, fn, lane.tokenizer, *args)
 
-    def _need_tokenizer(self, param: str):
-        if self.tokenizer is None:
+    def _need_tokenizer(self, tokenizer, param: str):
+        if tokenizer is None:
             raise bad_request("the server runs without a tokenizer (--skip-tokenizer-init): send token ids", param)
-        return self.tokenizer
+        return tokenizer
+
+    def check_length(self, chars: int, param: str) -> None:
+        """The cheap bound: no tokenizer can fit more than max_prompt_chars characters into the context."""
+        if chars > self.max_prompt_chars:
+            raise context_error(self.max_model_len, f"the {'messages hold' if param == 'messages' else 'prompt has'} "
+                                f"{chars:,} characters, more than any {self.max_model_len}-token text can "
+                                f"({self.max_prompt_chars:,})", param)
+
+    def _count_or_refuse(self, tokenizer, text: str, param: str) -> None:
+        """Count a long text's tokens piece by piece (pieces end before a space, where tokens start),
+        and refuse it once the count is certainly past the context."""
+        limit, count, cuts, start = self.max_model_len, 0, 0, 0
+        while start < len(text):
+            end = min(len(text), start + PIECE_CHARS)
+            if end < len(text):
+                space = text.rfind(" ", start + PIECE_CHARS // 2, end)
+                end = space if space > start else end
+            count += len(tokenizer.encode(text[start:end], add_special_tokens=False))
+            cuts += end < len(text)
+            if count > limit + TOKENS_PER_CUT * cuts:
+                raise context_error(limit, f"the {param} has more than {count - TOKENS_PER_CUT * cuts:,} tokens", param)
+            start = end
+
+    def _encode_bounded(self, tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        if len(text) > PIECE_CHARS:
+            self._count_or_refuse(tokenizer, text, param)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     # -- chat ----------------------------------------------------------------------------------
 
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool,
+    def _render_chat(self, tokenizer, messages: list[dict], add_generation_prompt: bool,
                      continue_final_message: bool) -> tuple[str, list[int]]:
-        tokenizer = self._need_tokenizer("messages")
+        tokenizer = self._need_tokenizer(tokenizer, "messages")
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
@@ -80,31 +145,35 @@ class PromptRenderer:
                                                  continue_final_message=continue_final_message)
         except Exception as e:  # noqa: BLE001 - jinja raise_exception(), bad roles, ...
             raise bad_request(f"the chat template refused the messages: {e}", "messages") from None
+        self.check_length(len(text), "messages")
         # The template writes any BOS itself: do not let the tokenizer add another.
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        return text, self._encode_bounded(tokenizer, text, False, "messages")
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                           continue_final_message: bool = False) -> tuple[str, list[int]]:
         plain = messages_for_template(messages)
         if not plain:
             raise bad_request("messages must not be empty", "messages")
-        return await self._run(self._render_chat, plain, add_generation_prompt, continue_final_message)
+        chars = sum(len(m["content"]) for m in plain)
+        self.check_length(chars, "messages")
+        return await self._run(chars, self._render_chat, plain, add_generation_prompt, continue_final_message)
 
     # -- text <-> token ids ----------------------------------------------------------------------
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self._need_tokenizer("prompt").encode(text, add_special_tokens=add_special_tokens)
+    def _encode(self, tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+        return self._encode_bounded(self._need_tokenizer(tokenizer, "prompt"), text, add_special_tokens, "prompt")
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._run(self._encode, text, add_special_tokens)
+        self.check_length(len(text), "prompt")
+        return await self._run(len(text), self._encode, text, add_special_tokens)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         if any(not 0 <= t < self.vocab_size for t in token_ids):
             raise bad_request(f"token ids must be in 0..{self.vocab_size - 1}", param)
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self._need_tokenizer("tokens").decode(token_ids, skip_special_tokens=False)
+    def _decode(self, tokenizer, token_ids: list[int]) -> str:
+        return self._need_tokenizer(tokenizer, "tokens").decode(token_ids, skip_special_tokens=False)
 
     async def decode(self, token_ids: list[int], param: str = "tokens") -> str:
         self.check_token_ids(token_ids, param)
-        return await self._run(self._decode, token_ids)
+        return await self._run(len(token_ids), self._decode, token_ids)
