@@ -13,6 +13,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from metrale.config.errors import OptionError
+
 
 def option(default, help: str, choices: tuple | None = None, flag: str | None = None, parse=None):
     metadata = {"help": help, "choices": choices, "flag": flag, "parse": parse}
@@ -37,7 +39,8 @@ def kv_skip_layers(spec: str) -> frozenset[int]:
 
 @dataclass
 class EngineArgs:
-    model: str | None = option(None, "Hugging Face model directory (config.json, *.safetensors, tokenizer)")
+    model: str | None = option(None, "Hugging Face model directory (config.json, *.safetensors, tokenizer); "
+                                        "default: demo, the built-in demo model")
     tokenizer: str | None = option(None, "Tokenizer directory, if not the model's")
     skip_tokenizer_init: bool = option(False, "Do not load a tokenizer; prompts must be token ids")
     dtype: str = option("auto", "Weight and activation dtype; auto: the checkpoint's on CUDA, float32 on CPU",
@@ -91,6 +94,11 @@ class EngineArgs:
     rank: int = option(0, "This process's global rank (multi-host launches)")
     master_addr: str = option("127.0.0.1", "Address of rank 0's rendezvous")
     master_port: int = option(29500, "Port of rank 0's rendezvous")
+    allow_remote_ranks: bool = option(False, "Let ranks on other hosts join through a non-loopback --master-addr; "
+                                             "they authenticate with the secret of --rank-secret-file or "
+                                             "MET_RANK_SECRET (docs/parallel.md)")
+    rank_secret_file: str | None = option(None, "File holding the secret the ranks of a multi-host run share (or "
+                                                "set MET_RANK_SECRET); one-host runs draw their own")
     moe_expert_layout: str = option("ep", "ep: each EP rank holds a range of experts; tp: every expert's "
                                           "intermediate dimension is sliced over the TP ranks", choices=("ep", "tp"))
     all_reduce_oneshot_max_kb: int = option(0, "CUDA all-reduces of at most this many KiB use a one-shot "
@@ -162,7 +170,10 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> "EngineArgs":
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(namespace).items() if k in names})
+        try:
+            return cls(**{k: v for k, v in vars(namespace).items() if k in names})
+        except ValueError as e:
+            raise OptionError(str(e)) from None
 
 
 def _base_type(annotation) -> type:

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
+from metrale.config.errors import StartupError
+
+logger = logging.getLogger(__name__)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float": torch.float32, "half": torch.float16}
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(StartupError, ValueError):
     """The checkpoint cannot be used; the message names the problem."""
 
 
@@ -55,6 +60,60 @@ def resolve_dtype(requested: str, hf_config, device: torch.device) -> torch.dtyp
     return checkpoint if checkpoint in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+def remote_model_classes(raw: dict) -> dict[str, str]:
+    """auto_map's model entries (AutoModel*: the checkpoint's own modeling code), as
+    {auto class: "module.ClassName"}."""
+    auto_map = raw.get("auto_map") or {}
+    if not isinstance(auto_map, dict):
+        return {}
+    found = {}
+    for auto_class, reference in auto_map.items():
+        if isinstance(reference, (list, tuple)):  # [slow, fast] pairs are tokenizers', not models'
+            reference = next((r for r in reference if r), "")
+        if auto_class.startswith("AutoModel") and isinstance(reference, str):
+            found[auto_class] = reference.split("--")[-1]  # "repo--module.Class" names another repo
+    return found
+
+
+def check_no_remote_code(raw: dict, architecture: str, model_dir: str) -> None:
+    """met never runs a checkpoint's code. A checkpoint whose auto_map names modeling code for a
+    class other than the architecture met implements is refused: loading it as that architecture
+    would run a different model. Code for the very architecture met implements (DeepSeek-V3 and
+    MiniMax-M2 ship such copies) is ignored, and met runs its own."""
+    remote = remote_model_classes(raw)
+    foreign = {k: v for k, v in remote.items() if v.rsplit(".", 1)[-1] != architecture}
+    if foreign:
+        listed = ", ".join(f"{k} -> {v}" for k, v in sorted(foreign.items()))
+        raise ModelLoadError(
+            f"{model_dir!r} ships its own modeling code (config.json auto_map: {listed}). met never runs code "
+            f"from a checkpoint, and its own {architecture} may not be the model that code defines, so it "
+            f"refuses the checkpoint rather than generate wrong output. Use a checkpoint of an architecture "
+            f"met implements without custom code.")
+    if remote:
+        logger.info("config.json's auto_map names the checkpoint's own code for %s; met runs its own "
+                    "implementation and none of that code", architecture)
+
+
+def read_hf_config(model_dir: str, raw: dict):
+    """transformers' config object, never from the checkpoint's code."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as e:
+        import transformers
+
+        path = os.path.join(model_dir, "config.json")
+        known = raw.get("model_type") in transformers.CONFIG_MAPPING
+        if known:
+            raise ModelLoadError(f"transformers {transformers.__version__} cannot read {path}: {e}") from None
+        # transformers' own message advises trust_remote_code=True, which met does not have.
+        raise ModelLoadError(
+            f"transformers {transformers.__version__} does not know model_type {raw.get('model_type')!r} "
+            f"({path}). met reads configs with transformers and never runs a checkpoint's own code: upgrade "
+            f"transformers if the family is newer than it, or use a supported checkpoint.") from None
+
+
 def load_model_config(model_dir: str, dtype: str, device: torch.device,
                       max_model_len: int | None, supported: dict, overrides: dict | None = None) -> ModelConfig:
     """Read config.json, apply `overrides` (fields of config.json, `--hf-overrides`), check the
@@ -66,9 +125,8 @@ def load_model_config(model_dir: str, dtype: str, device: torch.device,
         raise ModelLoadError(
             f"model architecture {architectures or '(none given)'} is not supported; "
             f"supported architectures: {', '.join(sorted(supported))}")
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    check_no_remote_code(raw, architecture, model_dir)
+    hf_config = read_hf_config(model_dir, raw)
     text_config = getattr(hf_config, "text_config", None) or hf_config
     for key, value in (overrides or {}).items():
         if not hasattr(text_config, key):

@@ -23,10 +23,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from metrale.config.errors import StartupError
+
 logger = logging.getLogger(__name__)
 
 
-class TopologyError(ValueError):
+class TopologyError(StartupError, ValueError):
     """The parallel sizes do not form a valid topology, or the model cannot be split over it."""
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 from metrale.config.engine_args import EngineArgs
+from metrale.config.errors import OptionError, StartupError
 
 
 def _follow_rank_0(engine_args: EngineArgs) -> int | None:
@@ -95,7 +97,16 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # The first line comes at once, before the imports of torch and the server (seconds).
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    logging.getLogger("metrale.serve").info(
+        "met serve: starting %s on http://%s:%d; each startup phase is logged as it ends",
+        "the built-in demo model" if args.model in (None, "demo") else repr(args.model), host, args.port)
+    started = time.perf_counter()
     from metrale.entrypoints.server.app import run_server
+    from metrale.startup.phases import log_imports
+
+    log_imports(time.perf_counter() - started)
 
     worker_status = _follow_rank_0(EngineArgs.from_cli_args(args))
     return worker_status if worker_status is not None else run_server(args)
@@ -169,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     args = build_parser().parse_args(argv)
-    return args.handler(args) or 0
+    try:
+        return args.handler(args) or 0
+    except StartupError as e:  # the message says what to do; a traceback would bury it
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, OptionError) else 1
 
 
 if __name__ == "__main__":

@@ -17,9 +17,14 @@ it fit.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from metrale.config.errors import StartupError
+
+logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -28,7 +33,7 @@ CPU_DEFAULT_KV_BYTES = 2 * GiB
 CUDA_RUNTIME_OVERHEAD_BYTES = 768 * MiB
 
 
-class MemoryPlanError(RuntimeError):
+class MemoryPlanError(StartupError, RuntimeError):
     pass
 
 
@@ -176,6 +181,13 @@ def fit_kv_blocks(plan: MemoryPlan, fixed_blocks: int | None = None) -> MemoryPl
         plan.max_num_seqs = 0 if plan.requested_max_num_seqs == "auto" else int(plan.requested_max_num_seqs)
     if fixed_blocks is not None:
         plan.num_kv_blocks = fixed_blocks
+        if fixed_blocks < blocks_per_seq:
+            note = (f"--num-kv-blocks {fixed_blocks} holds {fixed_blocks * plan.block_size:,} tokens, less than one "
+                    f"full-length sequence ({plan.max_model_len:,}): a request that outgrows the pool ends "
+                    f"with finish_reason 'length'")
+            if note not in plan.notes:  # fitted twice on CUDA: before and after measuring
+                plan.notes.append(note)
+                logger.warning("%s", note)
         return plan
     left = _left_for_caches(plan) - plan.state_cache_bytes
     seqs_cap = plan.max_num_seqs or (1 << 30)  # 0: "auto", resolved from the capacity afterwards

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from metrale.config.model_config import ModelConfig
 from metrale.loader.kv_scales import take_kv_scales
-from metrale.loader.safetensors_loader import iterate_tensors
+from metrale.loader.safetensors_loader import count_tensors, iterate_tensors
 from metrale.loader.weights import init_dummy_weights, load_weights
 from metrale.models.registry import get_model_class
 
@@ -22,18 +22,6 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-def count_tensors(model_dir: str) -> int:
-    from safetensors import safe_open
-
-    from metrale.loader.safetensors_loader import checkpoint_files
-
-    total = 0
-    for path in checkpoint_files(model_dir):
-        with safe_open(path, framework="pt") as st:
-            total += len(list(st.keys()))
-    return total
 
 
 def build_model(config: ModelConfig, device: torch.device, load_format: str = "auto", seed: int = 0,

@@ -44,6 +44,24 @@ def checkpoint_files(model_dir: str) -> list[str]:
     raise ModelLoadError(f"{model_dir!r} has no *.safetensors weights")
 
 
+def _unreadable(path: str, error: Exception) -> ModelLoadError:
+    return ModelLoadError(f"cannot read {path}: the file is corrupt or truncated ({error})")
+
+
+def count_tensors(model_dir: str) -> int:
+    """Tensors in the checkpoint, from the files' headers."""
+    from safetensors import SafetensorError, safe_open
+
+    total = 0
+    for path in checkpoint_files(model_dir):
+        try:
+            with safe_open(path, framework="pt", device="cpu") as st:
+                total += len(list(st.keys()))
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise _unreadable(path, e) from None
+    return total
+
+
 def iterate_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
@@ -53,4 +71,4 @@ def iterate_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 for name in st.keys():
                     yield name, st.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
-            raise ModelLoadError(f"cannot read {os.path.basename(path)}: the file is corrupt or truncated ({e})") from None
+            raise _unreadable(path, e) from None

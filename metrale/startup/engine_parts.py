@@ -20,6 +20,7 @@ from metrale.executor.model_loader import build_model
 from metrale.executor.model_runner import ModelRunner
 from metrale.executor.multiproc_executor import MultiprocExecutor, UniprocExecutor
 from metrale.kernels import programmatic_launch_supported, set_programmatic_launch
+from metrale.startup.cpu_threads import set_cpu_threads
 from metrale.startup.memory import calibrate_fp8_scales, fit_kv_blocks_on_every_rank, measure_on_cuda, plan_memory
 from metrale.startup.model_source import load_tokenizer, read_model_config, resolve_device
 from metrale.startup.parallel import start_parallel
@@ -38,7 +39,8 @@ class EngineParts:
     executor: UniprocExecutor | MultiprocExecutor  # what the engine calls execute() on
 
 
-def build_engine_parts(args: EngineArgs, log: StartupLog) -> EngineParts:
+def build_engine_parts(args: EngineArgs, log: StartupLog, reserved_cores: int = 0) -> EngineParts:
+    """`reserved_cores`: CPU cores the caller keeps for its own threads (a server's event loop)."""
     device = resolve_device(args.device)
     config = read_model_config(args, device)
     model_dir = config.model_dir
@@ -46,6 +48,8 @@ def build_engine_parts(args: EngineArgs, log: StartupLog) -> EngineParts:
 
     # Above one rank: topology checks, worker ranks started, process groups (docs/parallel.md).
     parallel = start_parallel(args, config, device)
+    if device.type == "cpu":  # the ranks this process started compute beside it
+        set_cpu_threads(reserved_cores, ranks=1 + len(parallel.workers) if parallel is not None else 1)
     try:
         tokenizer = load_tokenizer(args, model_dir)
         log.phase("read config", f"{config.architecture}, {config.dtype}, context {config.max_model_len}, "
@@ -106,7 +110,7 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
     return runner, plan
 
 
-def build_llm_engine(args: EngineArgs, log_startup: bool = False) -> LLMEngine:
+def build_llm_engine(args: EngineArgs, log_startup: bool = False, reserved_cores: int = 0) -> LLMEngine:
     """Every startup phase, then the engine over the parts."""
     log = StartupLog(log_startup)
-    return LLMEngine(args, build_engine_parts(args, log), log)
+    return LLMEngine(args, build_engine_parts(args, log, reserved_cores), log)

@@ -8,6 +8,14 @@ import time
 logger = logging.getLogger(__name__)
 
 
+PHASE_FORMAT = "[%d] %-14s %7.2fs  %s"
+
+
+def log_imports(seconds: float) -> None:
+    """Phase 0, logged by the command itself: importing torch, transformers and the server."""
+    logger.info(PHASE_FORMAT, 0, "imports", seconds, "torch and the HTTP server")
+
+
 class StartupLog:
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -18,5 +26,5 @@ class StartupLog:
         now = time.perf_counter()
         self.number += 1
         if self.enabled:
-            logger.info("[%d] %-14s %7.2fs  %s", self.number, name, now - self.start, detail)
+            logger.info(PHASE_FORMAT, self.number, name, now - self.start, detail)
         self.start = now

@@ -112,13 +112,18 @@ def test_hf_overrides_replace_config_fields_and_bad_ones_are_refused(checkpoint_
 
 
 def test_auto_map_never_runs_remote_code(checkpoint_factory, tmp_path):
-    """A repo asking for remote code: its auto_map is ignored, our own class for the architecture
-    loads it, and an architecture only remote code would know is refused (reliability case 19)."""
+    """A repo asking for remote code (reliability case 19): code for a class other than the
+    architecture met implements is refused, code for the very class met implements is ignored and
+    met's own class loads it, an architecture only remote code would know is refused; no code runs."""
     path = copy_checkpoint(checkpoint_factory("llama"), tmp_path / "m")
     marker = tmp_path / "remote_code_ran"
     open(os.path.join(path, "modeling_evil.py"), "w").write(f"open({str(marker)!r}, 'w').write('x')\n")
     config = json.load(open(os.path.join(path, "config.json")))
     config["auto_map"] = {"AutoConfig": "modeling_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.Evil"}
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(ModelLoadError, match="ships its own modeling code"):
+        LLM(path, device="cpu", num_kv_blocks=8)
+    config["auto_map"]["AutoModelForCausalLM"] = "modeling_evil.LlamaForCausalLM"
     json.dump(config, open(os.path.join(path, "config.json"), "w"))
     LLM(path, device="cpu", num_kv_blocks=8)
     config["architectures"] = ["Evil"]

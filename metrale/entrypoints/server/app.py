@@ -205,7 +205,7 @@ def run_server(args) -> int:
     if config.port == 0:
         config = dataclasses.replace(config, port=sock.getsockname()[1])
     metrics = ServerMetrics(config.served_model_name)
-    engine = AsyncEngine(functools.partial(build_llm_engine, engine_args, log_startup=True),
+    engine = AsyncEngine(functools.partial(build_llm_engine, engine_args, log_startup=True, reserved_cores=1),
                          max_waiting=config.max_waiting, observer=metrics)
     state = ServerState(config, engine, metrics, Lifecycle())
     uvicorn_config = uvicorn.Config(

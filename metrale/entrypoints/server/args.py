@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
@@ -17,7 +18,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="The model name clients send and /v1/models lists; default: 'demo' for the "
                             "built-in model, else the --model value")
     group.add_argument("--api-key", default=None,
-                       help="Require 'Authorization: Bearer KEY' on every route but /health")
+                       help="Require 'Authorization: Bearer KEY' on every route but /health. A key on the "
+                            "command line shows in `ps`: prefer --api-key-file or the MET_API_KEY variable")
+    group.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="Read the API key from this file (its first line)")
     group.add_argument("--max-waiting", type=int, default=512,
                        help="Most requests (counting each of n completions) queued beyond --max-num-seqs; "
                             "the next one gets 503 with Retry-After")
@@ -33,6 +37,29 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stall-timeout", type=float, default=120.0,
                        help="GET /health answers 503 while one engine step has run longer than this many seconds "
                             "(0: never)")
+
+
+API_KEY_VARIABLE = "MET_API_KEY"
+
+
+def api_key_of(args: argparse.Namespace, environ=None) -> str | None:
+    """The key from --api-key, --api-key-file or $MET_API_KEY (one of them at most), or None."""
+    env = os.environ if environ is None else environ
+    given = [name for name, value in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
+                                      (API_KEY_VARIABLE, env.get(API_KEY_VARIABLE))) if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"give the API key one way, not {' and '.join(given)}")
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read --api-key-file {args.api_key_file}: {e}") from None
+    else:
+        key = args.api_key if args.api_key is not None else env.get(API_KEY_VARIABLE)
+    if key is not None and not key.strip():
+        raise ValueError(f"the API key from {given[0]} is empty")
+    return key
 
 
 @dataclass(frozen=True)
@@ -55,18 +82,17 @@ class ServerConfig:
 
         name = args.served_model_name or ("demo" if args.model in (None, "demo") else args.model)
         checks = [
-            (1 <= args.port <= 65535, f"--port must be in 1..65535, got {args.port}"),
+            (0 <= args.port <= 65535, f"--port must be in 0..65535 (0: any free port), got {args.port}"),
             (args.max_waiting >= 0, f"--max-waiting must be >= 0, got {args.max_waiting}"),
             (args.shutdown_timeout >= 0, f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}"),
             (1 <= args.max_n <= MAX_N, f"--max-n must be in 1..{MAX_N}, got {args.max_n}"),
             (args.max_body_bytes >= 1024, f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}"),
             (args.max_header_bytes >= 1024,
              f"--max-header-bytes must be at least 1024, got {args.max_header_bytes}"),
-            (args.api_key is None or args.api_key != "", "--api-key must not be empty"),
             (args.stall_timeout >= 0, f"--stall-timeout must be >= 0, got {args.stall_timeout}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        return cls(args.host, args.port, name, args.api_key, args.max_waiting, args.shutdown_timeout, args.max_n,
+        return cls(args.host, args.port, name, api_key_of(args), args.max_waiting, args.shutdown_timeout, args.max_n,
                    args.max_body_bytes, args.max_header_bytes, args.access_log, args.stall_timeout)
