@@ -16,8 +16,12 @@ from dataclasses import dataclass, field
 from metrale.config.errors import OptionError
 
 
-def option(default, help: str, choices: tuple | None = None, flag: str | None = None, parse=None):
-    metadata = {"help": help, "choices": choices, "flag": flag, "parse": parse}
+def option(default, help: str, choices: tuple | None = None, flag: str | None = None, parse=None,
+           aliases: tuple[str, ...] = ()):
+    """One option. `aliases`: other names it answers to (vLLM's, the reference system's), as
+    keyword arguments and, with dashes, as flags; a name of one letter or two after a dash is a
+    flag only ("-tp")."""
+    metadata = {"help": help, "choices": choices, "flag": flag, "parse": parse, "aliases": aliases}
     return field(default=default, metadata=metadata)
 
 
@@ -43,6 +47,11 @@ class EngineArgs:
                                         "default: demo, the built-in demo model")
     tokenizer: str | None = option(None, "Tokenizer directory, if not the model's")
     skip_tokenizer_init: bool = option(False, "Do not load a tokenizer; prompts must be token ids")
+    trust_remote_code: bool = option(False, "vLLM's option, refused when true: met never runs a checkpoint's code")
+    generation_config: str = option("auto", "Sampling defaults for what a request leaves unset: auto: the model's "
+                                            "generation_config.json (temperature, top_p, top_k, min_p, "
+                                            "repetition_penalty, max_new_tokens), as vLLM does; vllm: none; or a "
+                                            "directory holding a generation_config.json")
     dtype: str = option("auto", "Weight and activation dtype; auto: the checkpoint's on CUDA, float32 on CPU",
                         choices=("auto", "float32", "bfloat16", "float16"))
     device: str = option("auto", "Where the model runs; auto: CUDA when available", choices=("auto", "cpu", "cuda"))
@@ -52,9 +61,10 @@ class EngineArgs:
     hf_overrides: str | dict = option("", "JSON object of config.json fields to replace, e.g. "
                                           "'{\"num_hidden_layers\": 4}' (a smaller model of the same shapes)",
                                       parse=str)
-    max_model_len: int | None = option(None, "Context length (prompt + output); default: the model's")
+    max_model_len: int | None = option(None, "Context length (prompt + output); default: the model's",
+                                       aliases=("max_seq_len",))
     max_num_seqs: int | str = option(256, "Most requests running at once; auto: from the memory plan",
-                                     parse=int_or_auto)
+                                     parse=int_or_auto, aliases=("max_batch_size",))
     max_num_batched_tokens: int = option(8192, "Token budget of one step (prefill chunks + decodes)")
     block_size: int = option(16, "Tokens per KV cache block")
     num_kv_blocks: int | None = option(None, "Fix the KV pool's size in blocks; default: from the memory budget")
@@ -88,8 +98,11 @@ class EngineArgs:
                                                        "resumes from one; auto: max_num_seqs // 4, at least 8; 0 turns "
                                                        "prefix caching off for such models", parse=int_or_auto)
     # Parallelism (docs/parallel.md). world = tp x ep (orthogonal mesh) or tp = ep = world (overlapping).
-    tp_size: int = option(1, "Tensor-parallel ranks")
+    tp_size: int = option(1, "Tensor-parallel ranks", aliases=("tensor_parallel_size", "-tp"))
     ep_size: int = option(1, "Expert-parallel ranks (MoE models)")
+    enable_expert_parallel: bool = option(False, "vLLM's switch: the MoE experts are spread over the tensor-parallel "
+                                                 "ranks (--ep-size = --tp-size) instead of sliced")
+    pipeline_parallel_size: int = option(1, "vLLM's option; met has no pipeline parallelism: 1 only")
     world_size: int = option(1, "Ranks in all, across hosts; derived from --tp-size and --ep-size when 1")
     rank: int = option(0, "This process's global rank (multi-host launches)")
     master_addr: str = option("127.0.0.1", "Address of rank 0's rendezvous")
@@ -105,6 +118,17 @@ class EngineArgs:
                                                 "symmetric-memory path, larger ones NCCL's; 0: always NCCL's")
 
     def __post_init__(self) -> None:
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size}: met has no pipeline parallelism; "
+                             "split the model with tensor_parallel_size (and expert parallelism for MoE) instead")
+        if self.trust_remote_code:
+            raise ValueError("trust_remote_code=True is refused: met never runs code from a checkpoint; it "
+                             "implements each supported architecture itself (README, 'Supported today')")
+        if self.enable_expert_parallel:
+            if self.ep_size not in (1, self.tp_size):
+                raise ValueError(f"enable_expert_parallel sets ep_size to tp_size ({self.tp_size}); "
+                                 f"do not also give ep_size {self.ep_size}")
+            self.ep_size = self.tp_size
         self.max_num_seqs = int_or_auto(self.max_num_seqs)
         self.state_checkpoint_slots = int_or_auto(self.state_checkpoint_slots)
         if self.state_checkpoint_slots != "auto" and self.state_checkpoint_slots < 0:
@@ -148,6 +172,26 @@ class EngineArgs:
     def kv_cache_skip_layers(self) -> frozenset[int]:
         return kv_skip_layers(self.kv_cache_dtype_skip_layers)
 
+    # -- other names --------------------------------------------------------------------------
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        """EngineArgs from keyword arguments that may use an option's aliases (vLLM's names)."""
+        canonical = {}
+        for name, value in kwargs.items():
+            target = _ALIAS_OF.get(name, name)
+            if target in canonical:
+                raise OptionError(f"{name} and {target} name the same option; give one")
+            canonical[target] = value
+        unknown = sorted(set(canonical) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise OptionError(f"unknown option(s): {', '.join(unknown)} (see docs/compatibility.md for the "
+                              f"vLLM names met takes)")
+        try:
+            return cls(**canonical)
+        except ValueError as e:
+            raise OptionError(str(e)) from None
+
     # -- the command line, generated from the fields -------------------------------------------
 
     @classmethod
@@ -157,6 +201,8 @@ class EngineArgs:
             if f.name in skip:
                 continue
             flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            flags = [flag] + [a if a.startswith("-") else "--" + a.replace("_", "-")
+                              for a in f.metadata.get("aliases", ())]
             base = _base_type(f.type)
             kwargs = {"dest": f.name, "default": f.default, "help": f.metadata.get("help")}
             if base is bool:
@@ -165,7 +211,7 @@ class EngineArgs:
                 kwargs["type"] = f.metadata.get("parse") or base
                 if f.metadata.get("choices"):
                     kwargs["choices"] = f.metadata["choices"]
-            group.add_argument(flag, **kwargs)
+            group.add_argument(*flags, **kwargs)
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> "EngineArgs":
@@ -183,3 +229,8 @@ def _base_type(annotation) -> type:
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
     return annotation
+
+
+# alias -> field name, for keyword arguments ("-tp"-style names are flags only).
+_ALIAS_OF = {alias: f.name for f in dataclasses.fields(EngineArgs) for alias in f.metadata.get("aliases", ())
+             if not alias.startswith("-")}

@@ -8,6 +8,7 @@ import os
 import random
 
 from metrale.config.engine_args import EngineArgs
+from metrale.config.generation_config import sampling_defaults
 from metrale.config.model_config import ModelConfig
 from metrale.messages.errors import InvalidRequestError
 from metrale.engine.output_processor import OutputProcessor
@@ -47,6 +48,12 @@ class LLMEngine:
         self.device = self.runner.device
         self.memory_plan = parts.plan
         self.eos_token_ids = _eos_token_ids(self.model_config.model_dir, self.tokenizer)
+        # What a request leaves unset, from generation_config.json (--generation-config).
+        self.sampling_defaults = sampling_defaults(self.model_config.model_dir, args.generation_config)
+        if self.sampling_defaults:
+            logger.info("sampling defaults from generation_config.json, for fields a request leaves unset: %s "
+                        "(--generation-config vllm turns them off)",
+                        ", ".join(f"{k}={v}" for k, v in self.sampling_defaults.items()))
         self.scheduler = Scheduler(num_kv_blocks=parts.plan.num_kv_blocks, block_size=args.block_size,
                                    max_num_seqs=parts.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                    max_model_len=self.model_config.max_model_len,

@@ -164,7 +164,8 @@ async def _become_ready(state: ServerState, memory: list, started: float) -> Non
         state.lifecycle.exit_code = 1
         state.lifecycle.begin_drain(0.0)
         return
-    state.model = ModelInfo(model_dir, llm.model_config.max_model_len, llm.model_config.vocab_size)
+    state.model = ModelInfo(model_dir, llm.model_config.max_model_len, llm.model_config.vocab_size,
+                            dict(llm.sampling_defaults))
     state.lifecycle.ready = True
     startup_log = getattr(llm, "startup_log", None)  # the engine's phases, so "ready" continues their numbering
     if startup_log is not None:

@@ -24,7 +24,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     body.check_supported()
     top_logprobs = body.engine_logprobs()
     params = body.sampling_params(max_tokens=body.resolved_max_tokens(), logprobs=top_logprobs,
-                                  max_n=state.config.max_n, vocab_size=model.vocab_size)
+                                  max_n=state.config.max_n, vocab_size=model.vocab_size,
+                                  defaults=model.sampling_defaults)
     text, token_ids = await prompts.render_chat(body.messages, bool(body.add_generation_prompt),
                                                 bool(body.continue_final_message))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

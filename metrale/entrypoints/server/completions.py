@@ -26,7 +26,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     body.check_supported()
     logprobs = body.engine_logprobs()
     params = body.sampling_params(max_tokens=body.max_tokens, logprobs=logprobs, max_n=state.config.max_n,
-                                  vocab_size=model.vocab_size)
+                                  vocab_size=model.vocab_size, defaults=model.sampling_defaults)
     engine_prompts = []
     for i, prompt in enumerate(body.prompts()):
         if isinstance(prompt, str):

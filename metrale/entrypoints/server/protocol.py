@@ -83,8 +83,9 @@ class SamplingFields(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None, max_n: int,
-                        vocab_size: int) -> SamplingParams:
-        """The engine's SamplingParams; raises a 400 (APIError or SamplingParamsError) on bad values."""
+                        vocab_size: int, defaults: dict | None = None) -> SamplingParams:
+        """The engine's SamplingParams; raises a 400 (APIError or SamplingParamsError) on bad values.
+        `defaults` (the model's generation config) fill the fields the request leaves unset."""
         n = 1 if self.n is None else self.n
         if not 1 <= n <= max_n:
             raise bad_request(f"n must be in 1..{max_n} on this server, got {n}", "n")
@@ -101,7 +102,11 @@ class SamplingFields(_Strict):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
         }
-        fields = {k: v for k, v in given.items() if v is not None}
+        defaults = dict(defaults or {})
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
+        defaults.pop("max_tokens", None)
+        fields = {**defaults, **{k: v for k, v in given.items() if v is not None}}
         return SamplingParams(n=n, max_tokens=max_tokens, logprobs=logprobs, stop=self.stop,
                               stop_token_ids=stop_token_ids, logit_bias=logit_bias, **fields)
 

@@ -20,6 +20,7 @@ class ModelInfo:
     model_dir: str
     max_model_len: int
     vocab_size: int
+    sampling_defaults: dict = field(default_factory=dict)  # generation_config.json's, for unset fields
     created: int = field(default_factory=lambda: int(time.time()))
 
 
