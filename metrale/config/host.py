@@ -1,5 +1,6 @@
-"""The CPU cores this process may really use: its affinity mask, capped by a cgroup CPU quota
-(a container limited to 2 CPUs on a 64-core host may use 2, whatever os.cpu_count() says)."""
+"""Facts of the host: the CPU cores this process may really use (its affinity mask, capped by a
+cgroup CPU quota: a container limited to 2 CPUs on a 64-core host may use 2, whatever
+os.cpu_count() says), and its resident memory."""
 
 from __future__ import annotations
 
@@ -41,3 +42,12 @@ def available_cores() -> int:
         cores = os.cpu_count() or 1
     limit = cgroup_cpu_limit()
     return max(1, min(cores, limit) if limit else cores)
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set size now (Linux), or None."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

@@ -58,6 +58,7 @@ class MemoryPlan:
     num_checkpoint_slots: int = 0
     cache_summary: list[str] = field(default_factory=list)  # CacheLayout.summary()
     notes: list[str] = field(default_factory=list)
+    host_baseline_bytes: int | None = None  # resident host memory before any backend existed (startup)
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -105,6 +105,8 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.layers = cached_layers(model)
         self.layout = CacheLayout.of(model, cache_config)
+        # The tokenizer's size where the checkpoint pads its vocabulary past it: padded ids are never sampled.
+        self.sampled_vocab_size: int | None = None
         # One backend per kind of cache the model keeps (attention, gdn, ...).
         self.backends: dict[str, CacheBackend] = {kind: get_backend(kind, backend, device)
                                                   for kind in self.layout.kinds}
@@ -264,6 +266,8 @@ class ModelRunner:
         self.caches.copy_slots(plan.state_saves)  # after the forward pass that computed the states
         if logits is None:
             return PendingOutput(self, [], [], None)
+        if self.sampled_vocab_size is not None:
+            logits = logits[:, :self.sampled_vocab_size].contiguous()
         states = [self.requests[request_id] for request_id in batch.sampled_request_ids]
         sampled = sample_tokens(logits, [SamplingRow(st.sampling_params, st.seed, st.token_ids, st.num_prompt_tokens)
                                          for st in states])

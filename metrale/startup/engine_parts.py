@@ -1,5 +1,5 @@
-"""Startup, in its phases: resolve the model, read the config, plan memory, load the weights,
-size the KV cache. Each phase is logged with the time it took. This is the composition root:
+"""Startup, in its fixed phases (phases.py): model resolve, configure, backend, topology,
+weights, KV cache, kernel audit. Each phase is logged with the time it took. This is the composition root:
 the only place that assembles the executor, the runner and the engine."""
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from metrale.executor.multiproc_executor import MultiprocExecutor, UniprocExecut
 from metrale.kernels import programmatic_launch_supported, set_programmatic_launch
 from metrale.startup.cpu_threads import set_cpu_threads
 from metrale.startup.memory import calibrate_fp8_scales, fit_kv_blocks_on_every_rank, measure_on_cuda, plan_memory
-from metrale.startup.model_source import load_tokenizer, read_model_config, resolve_device
-from metrale.startup.parallel import start_parallel
+from metrale.config.host import resident_bytes
+from metrale.startup.model_source import (check_activation, load_tokenizer, read_model_config, resolve_device,
+                                          sampled_vocab_size, vocabulary_note)
+from metrale.startup.parallel import ranks_started_here, start_parallel
 from metrale.startup.phases import StartupLog
 
 logger = logging.getLogger(__name__)
@@ -39,31 +41,56 @@ class EngineParts:
     executor: UniprocExecutor | MultiprocExecutor  # what the engine calls execute() on
 
 
-def build_engine_parts(args: EngineArgs, log: StartupLog, reserved_cores: int = 0) -> EngineParts:
-    """`reserved_cores`: CPU cores the caller keeps for its own threads (a server's event loop)."""
+@dataclass
+class Prepared:
+    """What phases 1 to 4 leave for the rest of startup, on every rank."""
+
+    device: torch.device
+    config: ModelConfig
+    tokenizer: object
+    parallel: ParallelRuntime | None
+    host_baseline_bytes: int | None  # resident host memory before any backend existed
+
+
+def prepare(args: EngineArgs, log: StartupLog, reserved_cores: int = 0, spawned: bool = False) -> Prepared:
+    """Phases 1-4, the same on every rank: the model, its configuration, the backend (and the
+    host-memory baseline), the topology (other ranks joined, or started)."""
+    baseline = resident_bytes()  # before the first backend exists: GET /memory's footprint is against it
     device = resolve_device(args.device)
     config = read_model_config(args, device)
-    model_dir = config.model_dir
-    log.phase("resolve model", model_dir)
+    log.phase("model resolve", f"{config.model_dir}: {config.architecture}")
+
+    check_activation(config)
+    tokenizer = load_tokenizer(args, config.model_dir)
+    log.phase("configure", f"{config.dtype}, context {config.max_model_len}, {vocabulary_note(config, tokenizer)}")
+
+    if device.type == "cpu":
+        threads = set_cpu_threads(reserved_cores, ranks_started_here(args, spawned))
+        backend = f"cpu, {threads} thread(s)"
+    else:
+        backend = f"cuda, {torch.cuda.device_count()} GPU(s) visible"  # no context yet: ranks pick theirs next
+    host = f"host memory baseline {baseline / 2**20:,.0f} MiB resident" if baseline else "host memory unknown"
+    log.phase("backend", f"{backend}; {host}")
 
     # Above one rank: topology checks, worker ranks started, process groups (docs/parallel.md).
-    parallel = start_parallel(args, config, device)
-    if device.type == "cpu":  # the ranks this process started compute beside it
-        set_cpu_threads(reserved_cores, ranks=1 + len(parallel.workers) if parallel is not None else 1)
+    parallel = start_parallel(args, config, device, spawned=spawned)
+    log.phase("topology", parallel.topology.describe() if parallel is not None else "1 rank")
+    return Prepared(parallel.device if parallel is not None else device, config, tokenizer, parallel, baseline)
+
+
+def build_engine_parts(args: EngineArgs, log: StartupLog, reserved_cores: int = 0) -> EngineParts:
+    """`reserved_cores`: CPU cores the caller keeps for its own threads (a server's event loop)."""
+    ready = prepare(args, log, reserved_cores)
     try:
-        tokenizer = load_tokenizer(args, model_dir)
-        log.phase("read config", f"{config.architecture}, {config.dtype}, context {config.max_model_len}, "
-                                 f"device {device}")
-        if parallel is not None:
-            device = parallel.device
-            log.phase("parallel", parallel.topology.describe())
-        runner, plan = build_runner(args, config, device, log, tokenizer, parallel)
+        runner, plan = build_runner(args, ready.config, ready.device, log, ready.tokenizer, ready.parallel)
     except BaseException:
-        if parallel is not None:
-            parallel.abort()
+        if ready.parallel is not None:
+            ready.parallel.abort()
         raise
+    plan.host_baseline_bytes = ready.host_baseline_bytes
+    parallel = ready.parallel
     executor = UniprocExecutor(runner) if parallel is None else MultiprocExecutor(runner, parallel)
-    return EngineParts(config, tokenizer, runner, plan, plan.max_num_seqs, executor)
+    return EngineParts(ready.config, ready.tokenizer, runner, plan, plan.max_num_seqs, executor)
 
 
 def _set_programmatic_launch(args: EngineArgs, device: torch.device) -> None:
@@ -82,12 +109,13 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
     _set_programmatic_launch(args, device)
     plan = plan_memory(args, config, device)
     fit_kv_blocks(plan, args.num_kv_blocks)  # refuses a model that cannot fit, before allocating
-    log.phase("plan memory", f"weights {plan.weight_bytes / 2**30:.2f} GiB, KV {plan.kv_bytes_per_token} B/token")
 
     torch.manual_seed(args.seed)
     model = build_model(config, device, args.load_format, args.seed, show_progress=log.enabled)
     runner = ModelRunner(model, config, device, CacheConfig.from_args(args, config.dtype), args.attention_backend)
-    log.phase("load weights", f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+    runner.sampled_vocab_size = sampled_vocab_size(config, tokenizer)
+    log.phase("weights", f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+                         f"{plan.weight_bytes / 2**30:.2f} GiB")
     if runner.layout.has_state:
         logger.info("linear-attention recurrent state dtype: %s (--ssm-h-dtype)", args.ssm_h_dtype)
 
@@ -100,11 +128,14 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
         runner.capture_cuda_graphs(plan.max_num_seqs, plan.max_model_len)
     state = f", {plan.num_state_slots + 1} state slots ({plan.state_cache_bytes / 2**20:.0f} MiB)" \
         if plan.state_bytes_per_slot else ""
-    log.phase("size KV cache", f"{plan.num_kv_blocks} blocks x {args.block_size} tokens "
-                               f"({plan.kv_cache_bytes / 2**20:.0f} MiB){state}, backends {runner.backend_names}")
+    log.phase("kv cache", f"{plan.num_kv_blocks} blocks x {args.block_size} tokens "
+                          f"({plan.kv_cache_bytes / 2**20:.0f} MiB, {plan.kv_bytes_per_token} B/token){state}, "
+                          f"backends {runner.backend_names}")
     if device.type == "cuda" and any(b.name == "triton" for b in runner.backends.values()):
         warm_up_kernels(runner, plan.max_num_seqs)  # the same forwards on every rank (collectives)
-        log.phase("warm up kernels", "Triton variants of the first steps compiled")
+        log.phase("kernel audit", "Triton variants of the first steps compiled")
+    else:
+        log.phase("kernel audit", "PyTorch backends: nothing to compile")
     if log.enabled:
         logger.info("%s", plan.table())
     return runner, plan

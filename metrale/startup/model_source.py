@@ -52,3 +52,34 @@ def load_tokenizer(args: EngineArgs, model_dir: str):
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {args.tokenizer or model_dir!r} ({e}); pass "
                              "--tokenizer DIR, or --skip-tokenizer-init to send token ids only") from None
+
+
+# hidden_act values the models' MLPs implement (layers/mlp.py: SiLU-gated).
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+
+
+def check_activation(config: ModelConfig) -> None:
+    """Refuse a checkpoint whose MLP activation met does not implement, rather than run SiLU."""
+    hf = config.hf_config
+    act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None)
+    if act is not None and act not in SUPPORTED_ACTIVATIONS:
+        raise ModelLoadError(f"{config.architecture} with hidden_act {act!r} is not supported; met's MLPs "
+                             f"implement {', '.join(SUPPORTED_ACTIVATIONS)}")
+
+
+def sampled_vocab_size(config: ModelConfig, tokenizer) -> int | None:
+    """The tokenizer's size where the checkpoint pads its vocabulary past it (the padded rows
+    are never sampled), else None."""
+    if tokenizer is None:
+        return None
+    size = len(tokenizer)
+    return size if size < config.vocab_size else None
+
+
+def vocabulary_note(config: ModelConfig, tokenizer) -> str:
+    capped = sampled_vocab_size(config, tokenizer)
+    if tokenizer is None:
+        return f"vocabulary {config.vocab_size:,}, no tokenizer"
+    if capped is None:
+        return f"vocabulary {config.vocab_size:,}"
+    return f"vocabulary {config.vocab_size:,} rows, sampling capped to the tokenizer's {capped:,}"

@@ -8,8 +8,8 @@ import torch
 
 from metrale.config.engine_args import EngineArgs
 from metrale.config.model_config import ModelConfig
-from metrale.distributed.launch import (ParallelRuntime, ensure_no_live_groups, join_ranks, shard_sizes_of,
-                                        topology_from_args)
+from metrale.distributed.launch import (ParallelRuntime, ensure_no_live_groups, is_loopback, join_ranks,
+                                        shard_sizes_of, topology_from_args)
 from metrale.distributed.topology import Topology, TopologyError, check_attention_heads, check_expert_layout
 from metrale.models.registry import get_model_class
 
@@ -42,6 +42,14 @@ def start_parallel(args: EngineArgs, config: ModelConfig, device: torch.device,
     if topology.tp_size > 1:
         logger.info("TP-local head counts: %s", local_head_counts(config, topology.tp_size))
     return join_ranks(args, topology, env, device, spawned)
+
+
+def ranks_started_here(args: EngineArgs, spawned: bool = False) -> int:
+    """The ranks that will compute on this host beside this process and share its cores: a
+    one-host launch's rank 0 starts them all; any other rank is one of them."""
+    topology, env = topology_from_args(args)
+    one_host_rank_0 = env is None and not spawned and topology.rank == 0 and is_loopback(args.master_addr)
+    return topology.world_size if one_host_rank_0 else 1
 
 
 def local_head_counts(config: ModelConfig, tp_size: int) -> str:

@@ -10,9 +10,7 @@ import threading
 import time
 
 from metrale.distributed.step_channel import StepChannel, serve_steps
-from metrale.startup.engine_parts import build_runner
-from metrale.startup.model_source import load_tokenizer, read_model_config, resolve_device
-from metrale.startup.parallel import start_parallel
+from metrale.startup.engine_parts import build_runner, prepare
 from metrale.startup.phases import StartupLog
 
 logger = logging.getLogger(__name__)
@@ -34,17 +32,16 @@ def _watch_parent(parent_pid: int) -> None:
 
 def build_worker(args, spawned: bool):
     """This rank's groups and model runner, built in the same order as rank 0's (their
-    collectives must meet): topology and groups, then `build_runner`."""
-    device = resolve_device(args.device)
-    config = read_model_config(args, device)
-    model_dir = config.model_dir
-    parallel = start_parallel(args, config, device, spawned=spawned)
+    collectives must meet): phases 1-4 (`prepare`), then `build_runner`. The phases are logged
+    under this rank's name."""
+    log = StartupLog(True)
+    # The tokenizer only feeds startup work that must match rank 0's (fp8 KV calibration text).
+    ready = prepare(args, log, spawned=spawned)
+    parallel = ready.parallel
     if parallel is None:
         raise RuntimeError("a worker needs a world of more than one rank")
     try:
-        # The tokenizer only feeds startup work that must match rank 0's (fp8 KV calibration text).
-        tokenizer = load_tokenizer(args, model_dir)
-        runner, _ = build_runner(args, config, parallel.device, StartupLog(False), tokenizer, parallel)
+        runner, _ = build_runner(args, ready.config, ready.device, log, ready.tokenizer, parallel)
     except BaseException:
         parallel.abort()
         raise

@@ -58,8 +58,9 @@ def test_serve_speaks_at_once_then_logs_each_phase(llama_checkpoint, tmp_path):
         server.wait_ready()
         log = server.log()
         assert first_line_after is not None and first_line_after < 1.5, (first_line_after, log)
-        for phase in ("[0] imports", "[1] resolve model", "load weights", "size KV cache", "ready"):
-            assert phase in log, phase
+        for number, phase in enumerate(("imports", "model resolve", "configure", "backend", "topology", "weights",
+                                        "kv cache", "kernel audit", "ready")):
+            assert f"[{number}] {phase}" in log, phase
         assert "CPU threads: 1 (OMP_NUM_THREADS)" in log  # the e2e servers run with OMP_NUM_THREADS=1
         assert httpx.get(server.url + "/v1/models", timeout=5).status_code == 401
         ok = httpx.get(server.url + "/v1/models", timeout=5, headers={"Authorization": "Bearer sk-from-a-file"})
