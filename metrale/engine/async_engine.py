@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from metrale.config.errors import StartupError
+from metrale.config.errors import wants_traceback
 from metrale.messages.errors import EngineDeadError, InvalidRequestError
 from metrale.messages.outputs import RequestOutput
 from metrale.messages.sampling_params import SamplingParams
@@ -335,8 +335,7 @@ class AsyncEngine:
         try:
             self.engine = self.make_engine()
         except BaseException as e:  # noqa: BLE001 - any load failure ends the server
-            logger.error("the engine failed to start: %s", e,
-                         exc_info=not isinstance(e, (StartupError, OSError, ValueError)))
+            logger.error("the engine failed to start: %s", e, exc_info=wants_traceback(e))
             self.error = e
             self.state = EngineState.FAILED
             self._on_loop(self._ready.set)

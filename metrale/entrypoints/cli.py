@@ -8,7 +8,7 @@ import sys
 import time
 
 from metrale.config.engine_args import EngineArgs
-from metrale.config.errors import OptionError, StartupError
+from metrale.config.errors import OptionError, StartupError, show_tracebacks
 
 
 def _follow_rank_0(engine_args: EngineArgs) -> int | None:
@@ -128,11 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     `met --help` and `met serve --help` answer at once."""
     parser = argparse.ArgumentParser(prog="met", description="met: LLM inference engine and OpenAI-compatible server",
                                      formatter_class=DefaultsShown)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="Print the traceback of startup errors too")
+    parser.set_defaults(debug=False)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_parser = sub.add_parser
 
     def add_parser(name, **kwargs):
-        return _add_parser(name, formatter_class=DefaultsShown, **kwargs)
+        return _add_parser(name, formatter_class=DefaultsShown, parents=[common], **kwargs)
 
     sub.add_parser = add_parser
 
@@ -153,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks, each beside the hardware floor of its run")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     _add_bench = bench_sub.add_parser
-    bench_sub.add_parser = lambda name, **kwargs: _add_bench(name, formatter_class=DefaultsShown, **kwargs)
+    bench_sub.add_parser = lambda name, **kwargs: _add_bench(name, formatter_class=DefaultsShown, parents=[common],
+                                                             **kwargs)
     from metrale.bench import latency, throughput
 
     for name, module in (("latency", latency), ("throughput", throughput)):
@@ -173,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(handler=_serve)
+
+    from metrale.diagnostics.circuit import add_circuit_parser
+
+    add_circuit_parser(sub)
     return parser
 
 
@@ -180,9 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     args = build_parser().parse_args(argv)
+    show_tracebacks(args.debug)
     try:
         return args.handler(args) or 0
     except StartupError as e:  # the message says what to do; a traceback would bury it
+        if args.debug:
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, OptionError) else 1
 

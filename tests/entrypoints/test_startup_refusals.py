@@ -99,3 +99,13 @@ def test_server_with_a_damaged_checkpoint_exits_1_with_one_error_line(checkpoint
     assert "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line and "corrupt or truncated" in line]
     assert len(errors) == 1 and str(weights) in errors[0], proc.stderr
+
+
+def test_debug_shows_the_traceback(capsys):
+    from metrale.config.errors import OptionError, show_tracebacks
+
+    try:
+        with pytest.raises(OptionError):
+            main(["generate", "--prompt", "x", "--max-num-seqs", "0", "--debug"])
+    finally:
+        show_tracebacks(False)
