@@ -73,7 +73,11 @@ class EngineArgs:
     gpu_memory_utilization: float = option(0.9, "Share of the GPU's memory the server may use")
     attention_backend: str = option("auto", "Attention implementation; auto: triton on CUDA, torch on CPU",
                                     choices=("auto", "torch", "triton"))
-    enforce_eager: bool = option(False, "Never capture CUDA graphs")
+    enforce_eager: bool = option(False, "Never capture CUDA graphs (the same as --forward eager on CUDA)")
+    forward: str = option("auto", "The executor: graphs: CUDA graphs over the fast (Triton) kernels; eager: the "
+                                  "fast kernels without graphs; reference: the PyTorch backends everywhere; auto: "
+                                  "graphs on CUDA (eager with --enforce-eager), reference on the CPU",
+                          choices=("auto", "graphs", "eager", "reference"))
     async_scheduling: bool | None = option(None, "Plan step N+1 while step N runs on the device (its sampled tokens "
                                                   "feed step N+1 on the device); default: on with CUDA, where it overlaps "
                                                   "the host's work with the GPU's")

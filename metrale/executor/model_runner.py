@@ -22,6 +22,7 @@ from metrale.config.model_config import ModelConfig
 from metrale.executor.cache_layout import CacheLayout
 from metrale.executor.cache_tensors import CacheTensors
 from metrale.executor.sampler import SampledTokens, SamplingRow, sample_tokens
+from metrale.kernels import reference_forward
 from metrale.layers.cache_backend import CacheBackend, get_backend
 from metrale.layers.cache_spec import cached_layers
 from metrale.layers.forward_context import BatchLayout, ForwardContext, set_forward_context
@@ -98,8 +99,12 @@ class PendingOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, device: torch.device,
-                 cache_config: CacheConfig, backend: str = "auto"):
+                 cache_config: CacheConfig, backend: str = "auto", forward: str = "eager"):
+        """`forward`: graphs, eager or reference (--forward); reference runs every layer's PyTorch
+        path (kernels.reference_forward) and the PyTorch cache backends."""
         self.model = model
+        self.forward_mode = forward
+        self.reference = forward == "reference"
         self.model_config = model_config
         self.device = device
         self.block_size = cache_config.block_size
@@ -244,12 +249,16 @@ class ModelRunner:
 
     def forward(self, batch: BatchInputs) -> torch.Tensor:
         """The hidden states of every token of the batch."""
-        with set_forward_context(self.forward_context(batch.layout)):
+        with set_forward_context(self.forward_context(batch.layout)), reference_forward(self.reference):
             return self.model(batch.input_ids, batch.layout.positions)
 
     @torch.inference_mode()
     def execute_async(self, plan: SchedulerOutput) -> PendingOutput:
         """Launch one step. Each sampled request gets a placeholder token until `result()`."""
+        with reference_forward(self.reference):
+            return self._execute_async(plan)
+
+    def _execute_async(self, plan: SchedulerOutput) -> PendingOutput:
         self.apply_plan(plan)
         self.caches.copy_blocks(plan.block_copies)
         self.caches.copy_slots(plan.state_restores)

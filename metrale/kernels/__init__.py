@@ -13,6 +13,8 @@ reference fallbacks keep working.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -101,12 +103,27 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.type == "cuda" else None)
 
 
+# Set while a `--forward reference` model runs (ModelRunner): every dispatcher takes PyTorch.
+_reference_forward: contextvars.ContextVar[bool] = contextvars.ContextVar("met_reference_forward", default=False)
+
+
+@contextlib.contextmanager
+def reference_forward(on: bool = True):
+    """Within it (this thread or task), `use_triton` is False: the PyTorch reference everywhere."""
+    token = _reference_forward.set(on)
+    try:
+        yield
+    finally:
+        _reference_forward.reset(token)
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the dispatching kernel functions take the Triton path for `t`.
     CPU tensors always use the reference, even under TRITON_INTERPRET=1, so
-    CPU engine tests never pay for the (slow) interpreter by accident."""
-    return HAS_TRITON and t.is_cuda
+    CPU engine tests never pay for the (slow) interpreter by accident; so does everything inside
+    `reference_forward()`."""
+    return HAS_TRITON and t.is_cuda and not _reference_forward.get()
 
 
-__all__ = ["HAS_TRITON", "triton", "tl", "interpret_mode", "triton_available", "use_triton", "pdl_args", "pdl_wait",
+__all__ = ["HAS_TRITON", "triton", "tl", "interpret_mode", "triton_available", "use_triton", "reference_forward", "pdl_args", "pdl_wait",
            "pdl_launch_dependents", "set_programmatic_launch", "programmatic_launch_supported", "num_sms"]

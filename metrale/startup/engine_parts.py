@@ -24,7 +24,7 @@ from metrale.startup.cpu_threads import set_cpu_threads
 from metrale.startup.memory import calibrate_fp8_scales, fit_kv_blocks_on_every_rank, measure_on_cuda, plan_memory
 from metrale.config.host import resident_bytes
 from metrale.startup.model_source import (check_activation, load_tokenizer, read_model_config, resolve_device,
-                                          sampled_vocab_size, vocabulary_note)
+                                          resolve_forward, sampled_vocab_size, vocabulary_note)
 from metrale.startup.parallel import ranks_started_here, start_parallel
 from metrale.startup.phases import StartupLog
 
@@ -112,7 +112,9 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
 
     torch.manual_seed(args.seed)
     model = build_model(config, device, args.load_format, args.seed, show_progress=log.enabled)
-    runner = ModelRunner(model, config, device, CacheConfig.from_args(args, config.dtype), args.attention_backend)
+    forward = resolve_forward(args, device)
+    backend = "torch" if forward == "reference" else args.attention_backend
+    runner = ModelRunner(model, config, device, CacheConfig.from_args(args, config.dtype), backend, forward=forward)
     runner.sampled_vocab_size = sampled_vocab_size(config, tokenizer)
     log.phase("weights", f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
                          f"{plan.weight_bytes / 2**30:.2f} GiB")
@@ -124,18 +126,18 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
     fit_kv_blocks_on_every_rank(plan, args, parallel)
     runner.allocate_caches(plan.num_kv_blocks, plan.num_state_slots)
     calibrate_fp8_scales(args, runner, tokenizer, plan)
-    if not args.enforce_eager:
+    if forward == "graphs":
         runner.capture_cuda_graphs(plan.max_num_seqs, plan.max_model_len)
     state = f", {plan.num_state_slots + 1} state slots ({plan.state_cache_bytes / 2**20:.0f} MiB)" \
         if plan.state_bytes_per_slot else ""
     log.phase("kv cache", f"{plan.num_kv_blocks} blocks x {args.block_size} tokens "
                           f"({plan.kv_cache_bytes / 2**20:.0f} MiB, {plan.kv_bytes_per_token} B/token){state}, "
                           f"backends {runner.backend_names}")
-    if device.type == "cuda" and any(b.name == "triton" for b in runner.backends.values()):
+    if forward != "reference" and any(b.name == "triton" for b in runner.backends.values()):
         warm_up_kernels(runner, plan.max_num_seqs)  # the same forwards on every rank (collectives)
-        log.phase("kernel audit", "Triton variants of the first steps compiled")
+        log.phase("kernel audit", f"forward {forward}: Triton variants of the first steps compiled")
     else:
-        log.phase("kernel audit", "PyTorch backends: nothing to compile")
+        log.phase("kernel audit", f"forward {forward}: PyTorch backends, nothing to compile")
     if log.enabled:
         logger.info("%s", plan.table())
     return runner, plan

@@ -9,6 +9,7 @@ import torch
 
 from metrale.config.demo_model import demo_model_dir
 from metrale.config.engine_args import EngineArgs
+from metrale.config.errors import OptionError
 from metrale.config.model_config import ModelConfig, ModelLoadError, load_model_config
 from metrale.models.registry import supported_architectures
 
@@ -83,3 +84,18 @@ def vocabulary_note(config: ModelConfig, tokenizer) -> str:
     if capped is None:
         return f"vocabulary {config.vocab_size:,}"
     return f"vocabulary {config.vocab_size:,} rows, sampling capped to the tokenizer's {capped:,}"
+
+
+def resolve_forward(args: EngineArgs, device: torch.device) -> str:
+    """--forward, resolved for this device: graphs, eager or reference."""
+    forward = args.forward
+    if forward == "auto":
+        forward = ("eager" if args.enforce_eager else "graphs") if device.type == "cuda" else "reference"
+    if forward in ("graphs", "eager") and device.type != "cuda":
+        raise OptionError(f"--forward {forward} runs the Triton kernels, which need a CUDA device; on the CPU "
+                          f"the forward is the PyTorch reference (--forward reference)")
+    if forward == "graphs" and args.enforce_eager:
+        raise OptionError("--forward graphs captures CUDA graphs, which --enforce-eager forbids; give one")
+    if forward == "reference" and args.attention_backend == "triton":
+        raise OptionError("--forward reference runs the PyTorch backends everywhere; drop --attention-backend triton")
+    return forward

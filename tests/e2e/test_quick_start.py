@@ -98,3 +98,13 @@ def test_serve_port_0_picks_a_free_port(llama_checkpoint, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_memory_and_metrics_report_the_forward_and_the_host_footprint(api_server):
+    memory = httpx.get(api_server.url + "/memory", headers=api_server.headers, timeout=5).json()
+    assert memory["forward"] == "reference"  # the CPU's
+    host = memory["host"]
+    assert host["baseline_rss_bytes"] > 0 and host["rss_bytes"] >= host["baseline_rss_bytes"]
+    assert host["footprint_bytes"] == host["rss_bytes"] - host["baseline_rss_bytes"]
+    text = httpx.get(api_server.url + "/metrics", headers=api_server.headers, timeout=5).text
+    assert 'met:engine_info{device="cpu",forward="reference",model_name=' in text

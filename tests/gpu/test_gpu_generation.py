@@ -39,12 +39,15 @@ def test_triton_graphs_eager_torch_and_transformers_agree(family, checkpoint_fac
     _, torch_backend = run(path, attention_backend="torch", enforce_eager=True)
     _, chunked = run(path, attention_backend="triton", max_num_batched_tokens=16)
     _, no_pdl = run(path, attention_backend="triton", programmatic_launch=False)
+    reference_llm, reference = run(path, forward="reference")
+    assert reference_llm.llm_engine.runner.graphs is None and reference_llm.llm_engine.runner.reference
     assert graphs == expected
     assert synchronous == expected
     assert eager == expected
     assert torch_backend == expected
     assert chunked == expected
     assert no_pdl == expected  # programmatic dependent launch (on by default on Hopper) changes nothing
+    assert reference == expected  # --forward reference: the PyTorch path of every layer
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

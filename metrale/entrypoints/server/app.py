@@ -158,6 +158,7 @@ async def _become_ready(state: ServerState, memory: list, started: float) -> Non
         state.prompts = await asyncio.to_thread(PromptRenderer.load, tokenizer_dir, llm.model_config.vocab_size,
                                                 llm.model_config.max_model_len)
         memory.append(MemoryReport(state.engine))
+        state.metrics.on_ready(llm.runner.forward_mode, str(llm.device))
         oom_watchdog.start_for(llm, args.oom_watchdog_mib)
     except Exception as e:  # noqa: BLE001 - the server cannot serve; say why and exit
         logger.error("the server's tokenizer did not load: %s", e)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from metrale.config.host import resident_bytes
 from metrale.engine.async_engine import AsyncEngine
 
 
@@ -54,6 +55,15 @@ class MemoryReport:
         plan = getattr(llm, "memory_plan", None)
         self.activation_bytes = getattr(plan, "activation_reserve_bytes", 0)
         self.activation_measured = bool(getattr(plan, "activation_measured", False))
+        self.forward = llm.runner.forward_mode
+        self.host_baseline = getattr(plan, "host_baseline_bytes", None)
+
+    def host(self) -> dict:
+        """This process's resident host memory, and its footprint over the baseline taken at startup
+        before any backend existed."""
+        rss = resident_bytes()
+        footprint = rss - self.host_baseline if rss is not None and self.host_baseline is not None else None
+        return {"baseline_rss_bytes": self.host_baseline, "rss_bytes": rss, "footprint_bytes": footprint}
 
     def as_dict(self) -> dict:
         from metrale.executor.memory_plan import memory_ledger
@@ -61,7 +71,7 @@ class MemoryReport:
         snapshot = self.engine.snapshot
         total, free = _device_memory(self.device)
         kv_bytes = snapshot.kv_blocks_total * self.kv_bytes_per_block
-        return {"devices": [{
+        return {"forward": self.forward, "host": self.host(), "devices": [{
             "device": str(self.device),
             "total_bytes": total,
             "free_bytes": free,

@@ -50,6 +50,9 @@ class ServerMetrics(EngineObserver):
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
         self.model_name = model_name
+        # Static facts of the engine as labels of one gauge whose value is 1 (set once ready).
+        self.engine_info = Gauge("met:engine_info", "The engine's configuration, as labels",
+                                 ["model_name", "forward", "device"], registry=r)
         self.running = gauge("met:num_requests_running", "Sequences in the running batch")
         self.waiting = gauge("met:num_requests_waiting", "Sequences waiting to be scheduled")
         self.kv_usage = gauge("met:kv_cache_usage_perc", "Share of KV cache blocks in use (0 to 1)")
@@ -124,3 +127,6 @@ class ServerMetrics(EngineObserver):
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def on_ready(self, forward: str, device: str) -> None:
+        self.engine_info.labels(self.model_name, forward, device).set(1)
