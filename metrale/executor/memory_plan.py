@@ -59,6 +59,8 @@ class MemoryPlan:
     cache_summary: list[str] = field(default_factory=list)  # CacheLayout.summary()
     notes: list[str] = field(default_factory=list)
     host_baseline_bytes: int | None = None  # resident host memory before any backend existed (startup)
+    # Above one rank: every rank's rank_memory() and host memory at the end of startup, by rank.
+    ranks: list[dict] = field(default_factory=list)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -232,7 +234,13 @@ def resolve_max_num_seqs(requested: int | str, capacity_tokens: int, max_model_l
 def memory_ledger(engine) -> dict:
     """Every byte the engine holds on its device, live: weights, KV pool, activation reserve,
     CUDA graphs, other torch allocations; device total and free; and the startup plan."""
-    runner = engine.runner
+    ledger = rank_memory(engine.runner, engine.memory_plan)
+    ledger["plan"] = engine.memory_plan.to_dict()
+    return ledger
+
+
+def rank_memory(runner, plan: MemoryPlan) -> dict:
+    """What one rank's runner holds on its device now (memory_ledger without the plan)."""
     device = runner.device
     weights = parameter_bytes(runner.model) + sum(b.numel() * b.element_size() for b in runner.model.buffers())
     caches = runner.caches
@@ -240,8 +248,8 @@ def memory_ledger(engine) -> dict:
     graphs = runner.graphs.memory_bytes if runner.graphs is not None else 0
     ledger = {"device": str(device), "weights_bytes": weights, "kv_cache_bytes": kv_cache,
               "state_cache_bytes": state_cache,
-              "activation_reserve_bytes": engine.memory_plan.activation_reserve_bytes,
-              "activation_reserve_measured": engine.memory_plan.activation_measured,
+              "activation_reserve_bytes": plan.activation_reserve_bytes,
+              "activation_reserve_measured": plan.activation_measured,
               "cuda_graphs_bytes": graphs}
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -249,5 +257,4 @@ def memory_ledger(engine) -> dict:
         ledger.update(total_bytes=total, free_bytes=free, torch_allocated_bytes=allocated,
                       torch_reserved_bytes=torch.cuda.memory_reserved(device),
                       other_torch_bytes=max(0, allocated - weights - kv_cache - state_cache))
-    ledger["plan"] = engine.memory_plan.to_dict()
     return ledger

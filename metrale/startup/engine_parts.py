@@ -12,10 +12,11 @@ import torch
 from metrale.config.cache_config import CacheConfig
 from metrale.config.engine_args import EngineArgs
 from metrale.config.model_config import ModelConfig
+from metrale.distributed.gather import gather_dicts
 from metrale.distributed.launch import ParallelRuntime
 from metrale.engine.engine import LLMEngine
 from metrale.executor.kernel_warmup import warm_up_kernels
-from metrale.executor.memory_plan import MemoryPlan, fit_kv_blocks
+from metrale.executor.memory_plan import MemoryPlan, fit_kv_blocks, rank_memory
 from metrale.executor.model_loader import build_model
 from metrale.executor.model_runner import ModelRunner
 from metrale.executor.multiproc_executor import MultiprocExecutor, UniprocExecutor
@@ -78,6 +79,15 @@ def prepare(args: EngineArgs, log: StartupLog, reserved_cores: int = 0, spawned:
     return Prepared(parallel.device if parallel is not None else device, config, tokenizer, parallel, baseline)
 
 
+def report_ranks(ready: Prepared, runner: ModelRunner, plan: MemoryPlan) -> list[dict]:
+    """Every rank's memory at the end of startup, gathered on every rank (all ranks call this at
+    the same point: rank 0 in build_engine_parts, the workers in build_worker)."""
+    rss = resident_bytes()
+    mine = dict(rank_memory(runner, plan), rank=ready.parallel.topology.rank, host_rss_bytes=rss,
+                host_baseline_rss_bytes=ready.host_baseline_bytes)
+    return gather_dicts(ready.parallel.control_group, mine)
+
+
 def build_engine_parts(args: EngineArgs, log: StartupLog, reserved_cores: int = 0) -> EngineParts:
     """`reserved_cores`: CPU cores the caller keeps for its own threads (a server's event loop)."""
     ready = prepare(args, log, reserved_cores)
@@ -89,6 +99,8 @@ def build_engine_parts(args: EngineArgs, log: StartupLog, reserved_cores: int = 
         raise
     plan.host_baseline_bytes = ready.host_baseline_bytes
     parallel = ready.parallel
+    if parallel is not None:
+        plan.ranks = report_ranks(ready, runner, plan)
     executor = UniprocExecutor(runner) if parallel is None else MultiprocExecutor(runner, parallel)
     return EngineParts(ready.config, ready.tokenizer, runner, plan, plan.max_num_seqs, executor)
 

@@ -10,7 +10,7 @@ import threading
 import time
 
 from metrale.distributed.step_channel import StepChannel, serve_steps
-from metrale.startup.engine_parts import build_runner, prepare
+from metrale.startup.engine_parts import build_runner, prepare, report_ranks
 from metrale.startup.phases import StartupLog
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,8 @@ def build_worker(args, spawned: bool):
     if parallel is None:
         raise RuntimeError("a worker needs a world of more than one rank")
     try:
-        runner, _ = build_runner(args, ready.config, ready.device, log, ready.tokenizer, parallel)
+        runner, plan = build_runner(args, ready.config, ready.device, log, ready.tokenizer, parallel)
+        report_ranks(ready, runner, plan)
     except BaseException:
         parallel.abort()
         raise

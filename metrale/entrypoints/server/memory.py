@@ -56,6 +56,8 @@ class MemoryReport:
         self.activation_bytes = getattr(plan, "activation_reserve_bytes", 0)
         self.activation_measured = bool(getattr(plan, "activation_measured", False))
         self.forward = llm.runner.forward_mode
+        # Above one rank: each rank's device and host memory as of the end of startup.
+        self.ranks = list(getattr(plan, "ranks", []))
         self.host_baseline = getattr(plan, "host_baseline_bytes", None)
 
     def host(self) -> dict:
@@ -71,7 +73,7 @@ class MemoryReport:
         snapshot = self.engine.snapshot
         total, free = _device_memory(self.device)
         kv_bytes = snapshot.kv_blocks_total * self.kv_bytes_per_block
-        return {"forward": self.forward, "host": self.host(), "devices": [{
+        return {"forward": self.forward, "host": self.host(), "ranks": self.ranks, "devices": [{
             "device": str(self.device),
             "total_bytes": total,
             "free_bytes": free,
