@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from metrale.config.errors import wants_traceback
+from metrale.engine.profiling import StepProfiler
 from metrale.messages.errors import EngineDeadError, InvalidRequestError
 from metrale.messages.outputs import RequestOutput
 from metrale.messages.sampling_params import SamplingParams
@@ -97,6 +98,14 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Profile:
+    """Start or stop the step profiler; `reply` is resolved on the loop with the outcome."""
+    action: str  # "start" or "stop"
+    num_steps: int | None
+    reply: asyncio.Future
+
+
 _ACCEPTED = object()
 
 
@@ -164,9 +173,11 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, make_engine: Callable[[], "LLMEngine"], *, max_waiting: int,
-                 observer: EngineObserver | None = None):
-        """`make_engine` builds the LLMEngine; it runs on the engine thread (startup.build_llm_engine)."""
+                 observer: EngineObserver | None = None, profiler: StepProfiler | None = None):
+        """`make_engine` builds the LLMEngine; it runs on the engine thread (startup.build_llm_engine).
+        `profiler`: the PyTorch profiler the /start_profile and /stop_profile routes drive."""
         self.make_engine = make_engine
+        self.profiler = profiler
         self.max_waiting = max_waiting
         self.observer = observer or EngineObserver()
         self.state = EngineState.LOADING
@@ -175,7 +186,7 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot()
         self.step_started: float | None = None  # when the step in progress began (engine thread writes)
         self._cond = threading.Condition()
-        self._inbox: list[_Add | _Abort] = []
+        self._inbox: list[_Add | _Abort | _Profile] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -258,6 +269,16 @@ class AsyncEngine:
         finally:
             stream.abort()
 
+    async def profile(self, action: str, num_steps: int | None = None) -> str | None:
+        """Start the profiler (for `num_steps` steps, or until stopped) or stop it, between steps on
+        the engine thread; stopping returns the trace's path. Raises RuntimeError when that cannot
+        be done (no profiler, already running, not running)."""
+        if self.profiler is None:
+            raise RuntimeError("the server runs without a profiler; start it with --profile DIR")
+        reply = asyncio.get_running_loop().create_future()
+        self._submit(_Profile(action, num_steps, reply))
+        return await reply
+
     def abort_all(self, reason: str) -> None:
         """End every open request (drain timeout): consumers get RequestAbortedError."""
         for stream in list(self._streams.values()):
@@ -298,7 +319,7 @@ class AsyncEngine:
         if abort:
             self._submit(_Abort(stream.request_id))
 
-    def _submit(self, *commands: _Add | _Abort) -> None:
+    def _submit(self, *commands: _Add | _Abort | _Profile) -> None:
         with self._cond:
             self._inbox.extend(commands)
             self._cond.notify()
@@ -373,6 +394,8 @@ class AsyncEngine:
             self.step_started = time.monotonic() if stepped else None
             outputs = engine.step() if stepped else []
             self.step_started = None
+            if stepped and self.profiler is not None:
+                self.profiler.after_step()
             if outputs:
                 self.observer.on_outputs(outputs, time.monotonic())
             if stepped or aborted:
@@ -380,10 +403,13 @@ class AsyncEngine:
             if accepted or outputs:
                 self._on_loop(self._deliver, accepted, outputs)
 
-    def _apply(self, commands: list[_Add | _Abort]) -> tuple[list[tuple[str, object]], bool]:
+    def _apply(self, commands: list[_Add | _Abort | _Profile]) -> tuple[list[tuple[str, object]], bool]:
         accepted: list[tuple[str, object]] = []
         aborted = False
         for command in commands:
+            if isinstance(command, _Profile):
+                self._apply_profile(command)
+                continue
             if isinstance(command, _Abort):
                 self.engine.abort_request(command.request_id)
                 self.observer.on_request_aborted(command.request_id)
@@ -402,6 +428,14 @@ class AsyncEngine:
                 accepted.append((command.request_id, _ACCEPTED))
         return accepted, aborted
 
+    def _apply_profile(self, command: _Profile) -> None:
+        try:
+            result = self.profiler.start(command.num_steps) if command.action == "start" else self.profiler.stop()
+        except RuntimeError as e:
+            self._on_loop(_settle, command.reply, None, e)
+        else:
+            self._on_loop(_settle, command.reply, result, None)
+
     def _publish_snapshot(self) -> None:
         scheduler = self.engine.scheduler
         stats = scheduler.stats()
@@ -411,3 +445,12 @@ class AsyncEngine:
                                        stats.prefix_cache_hits_total, scheduler.kv.slots.num_running,
                                        scheduler.kv.num_free_state_slots)
         self.observer.on_snapshot(self.snapshot)
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.done():  # the caller went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

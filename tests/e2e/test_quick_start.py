@@ -108,3 +108,31 @@ def test_memory_and_metrics_report_the_forward_and_the_host_footprint(api_server
     assert host["footprint_bytes"] == host["rss_bytes"] - host["baseline_rss_bytes"]
     text = httpx.get(api_server.url + "/metrics", headers=api_server.headers, timeout=5).text
     assert 'met:engine_info{device="cpu",forward="reference",model_name=' in text
+
+
+def test_profile_routes_write_a_trace_of_chosen_steps(llama_checkpoint, tmp_path):
+    traces = tmp_path / "traces"
+    server = ServerProcess(llama_checkpoint, str(tmp_path / "serve.log"), "--profile", str(traces)).wait_ready()
+    try:
+        url = server.url
+        assert httpx.post(url + "/stop_profile", timeout=10).status_code == 409  # not running
+        assert httpx.post(url + "/start_profile", timeout=10).json()["status"] == "started"
+        assert httpx.post(url + "/start_profile", timeout=10).status_code == 409  # already running
+        completion = httpx.post(url + "/v1/completions", timeout=30,
+                                json={"prompt": "hello", "max_tokens": 4, "temperature": 0})
+        assert completion.status_code == 200
+        stopped = httpx.post(url + "/stop_profile", timeout=30).json()
+        trace = stopped["trace"]
+        assert os.path.dirname(trace) == str(traces) and os.path.getsize(trace) > 0
+        assert "steps" in os.path.basename(trace)
+        # num_steps: it stops by itself
+        assert httpx.post(url + "/start_profile", json={"num_steps": 2}, timeout=10).status_code == 200
+        httpx.post(url + "/v1/completions", timeout=30, json={"prompt": "hello", "max_tokens": 4})
+        assert httpx.post(url + "/stop_profile", timeout=10).status_code == 409  # already stopped after 2 steps
+        assert len(os.listdir(traces)) == 2
+    finally:
+        assert server.stop() == 0
+
+
+def test_profile_routes_exist_only_with_the_flag(api_server):
+    assert httpx.post(api_server.url + "/start_profile", headers=api_server.headers, timeout=5).status_code == 404

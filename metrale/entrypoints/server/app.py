@@ -27,7 +27,8 @@ from metrale.messages.errors import EngineDeadError
 from metrale.entrypoints.server.args import ServerConfig
 from metrale.entrypoints.server.chat import create_chat_completion
 from metrale.entrypoints.server.completions import create_completion
-from metrale.entrypoints.server.errors import bad_request, error_response, install_error_handlers
+from metrale.engine.profiling import StepProfiler
+from metrale.entrypoints.server.errors import APIError, bad_request, error_response, install_error_handlers
 from metrale.entrypoints.server.gate import GateMiddleware
 from metrale.entrypoints.server.http_server import DrainingServer, LimitedH11Protocol
 from metrale.entrypoints.server.memory import MemoryReport
@@ -36,7 +37,7 @@ from metrale.startup import build_llm_engine
 from metrale.entrypoints.server.metrics import CONTENT_TYPE, ServerMetrics
 from metrale.entrypoints.server.prompts import PromptRenderer
 from metrale.entrypoints.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                 TokenizeRequest)
+                                                 ProfileRequest, TokenizeRequest)
 from metrale.entrypoints.server.state import Lifecycle, ModelInfo, ServerState
 
 logger = logging.getLogger("metrale.serve")
@@ -117,6 +118,27 @@ def build_app(state: ServerState) -> FastAPI:
     async def memory_route() -> JSONResponse:
         state.require_ready()
         return JSONResponse(memory[0].as_dict())
+
+    if state.config.profile_dir:
+        @app.post("/start_profile", summary="Start the PyTorch profiler (for num_steps engine steps, or until "
+                                             "/stop_profile); --profile DIR")
+        async def start_profile(body: ProfileRequest | None = None) -> JSONResponse:
+            state.require_ready()
+            num_steps = body.num_steps if body is not None else None
+            try:
+                await state.engine.profile("start", num_steps)
+            except RuntimeError as e:
+                raise APIError(409, str(e), code="profiler_state") from None
+            return JSONResponse({"status": "started", "num_steps": num_steps})
+
+        @app.post("/stop_profile", summary="Stop the PyTorch profiler and write its trace")
+        async def stop_profile() -> JSONResponse:
+            state.require_ready()
+            try:
+                trace = await state.engine.profile("stop")
+            except RuntimeError as e:
+                raise APIError(409, str(e), code="profiler_state") from None
+            return JSONResponse({"status": "stopped", "trace": trace})
 
     app.openapi = lambda: _openapi(app)
     return app
@@ -207,8 +229,9 @@ def run_server(args) -> int:
     if config.port == 0:
         config = dataclasses.replace(config, port=sock.getsockname()[1])
     metrics = ServerMetrics(config.served_model_name)
+    profiler = StepProfiler(config.profile_dir) if config.profile_dir else None
     engine = AsyncEngine(functools.partial(build_llm_engine, engine_args, log_startup=True, reserved_cores=1),
-                         max_waiting=config.max_waiting, observer=metrics)
+                         max_waiting=config.max_waiting, observer=metrics, profiler=profiler)
     state = ServerState(config, engine, metrics, Lifecycle())
     uvicorn_config = uvicorn.Config(
         build_app(state), http=LimitedH11Protocol, ws="none", lifespan="on", log_config=None,

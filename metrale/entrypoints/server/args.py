@@ -34,6 +34,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="Largest request line plus headers; larger ones get 431")
     group.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                        help="Log one line per HTTP request")
+    group.add_argument("--profile", default=None, metavar="DIR",
+                       help="Enable POST /start_profile and /stop_profile: the PyTorch profiler over chosen engine "
+                            "steps, traces written to DIR (vLLM's routes)")
     group.add_argument("--stall-timeout", type=float, default=120.0,
                        help="GET /health answers 503 while one engine step has run longer than this many seconds "
                             "(0: never)")
@@ -75,6 +78,7 @@ class ServerConfig:
     max_header_bytes: int
     access_log: bool
     stall_timeout: float = 120.0
+    profile_dir: str | None = None
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerConfig":
@@ -95,4 +99,5 @@ class ServerConfig:
             if not ok:
                 raise ValueError(message)
         return cls(args.host, args.port, name, api_key_of(args), args.max_waiting, args.shutdown_timeout, args.max_n,
-                   args.max_body_bytes, args.max_header_bytes, args.access_log, args.stall_timeout)
+                   args.max_body_bytes, args.max_header_bytes, args.access_log, args.stall_timeout,
+                   getattr(args, "profile", None))

@@ -26,6 +26,7 @@ _TYPE_OF_STATUS = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     431: "invalid_request_error",
     500: "server_error",

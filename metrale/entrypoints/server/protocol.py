@@ -215,3 +215,7 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: Text | None = None
     tokens: list[int]
+
+
+class ProfileRequest(_Strict):
+    num_steps: int | None = Field(None, ge=1, description="Stop by itself after this many engine steps")
