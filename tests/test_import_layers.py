@@ -19,7 +19,7 @@ LAYERS = [
     ("executor",),
     ("engine",),
     ("startup",),
-    ("bench",),
+    ("bench", "diagnostics"),
     ("entrypoints",),
 ]
 LAYER_OF = {package: depth for depth, packages in enumerate(LAYERS) for package in packages}
