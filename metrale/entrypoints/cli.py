@@ -96,7 +96,36 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_kernels(args: argparse.Namespace) -> int:
+    """`met serve --check-kernels`: startup through the kernel audit, then its report; the exit
+    status is the number of variants that cannot be built."""
+    import os
+
+    import torch
+
+    if args.device == "cpu" or not torch.cuda.is_available():
+        # Before any kernel module is imported: @triton.jit reads it when it decorates.
+        os.environ["TRITON_INTERPRET"] = "1"
+        args.device = "cpu"
+        if args.forward == "auto":
+            args.forward = "eager"  # the Triton kernels, interpreted
+    from metrale.executor.kernel_audit import KernelBuildError
+    from metrale.startup import StartupLog, build_engine_parts
+
+    engine_args = EngineArgs.from_cli_args(args)
+    try:
+        parts = build_engine_parts(engine_args, StartupLog(True))
+    except KernelBuildError as e:
+        print(e.report.table())
+        return min(len(e.report.unresolved), 255)
+    print(parts.runner.kernel_report.table())
+    parts.executor.shutdown()
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
+    if args.check_kernels:
+        return _check_kernels(args)
     # The first line comes at once, before the imports of torch and the server (seconds).
     host = f"[{args.host}]" if ":" in args.host else args.host
     logging.getLogger("metrale.serve").info(

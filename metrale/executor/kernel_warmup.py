@@ -20,8 +20,10 @@ min-p) compile on the first request that uses them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -37,42 +39,69 @@ logger = logging.getLogger(__name__)
 # kernel for any group size from 1 to 32: <= 16, 17..32 and > 32 rows.
 PREFILL_LENGTHS = (1, 2, 3, 5, 9, 17, 33)
 DECODE_CONTEXT = 300  # keys: more than one split of the eager decode kernel
+# Under Triton's CPU interpreter (the kernel audit of `--check-kernels` on a CPU) every program
+# instance is interpreted in Python: one prefill per row-tile family and a short decode.
+INTERPRETED_PREFILL_LENGTHS = (1, 33)
+INTERPRETED_DECODE_CONTEXT = 40
 
 
-@torch.inference_mode()
-def warm_up_kernels(runner, max_num_seqs: int) -> float:
-    """Run the kernel variants above once on the runner's device; returns the seconds taken.
-    Uses the KV pool from block 0 (nothing else holds it at startup) and leaves no request."""
-    start = time.perf_counter()
+def warm_up_steps(runner, max_num_seqs: int) -> list[tuple[str, Callable[[], None]]]:
+    """The warm-up as named steps, each one forward (or sampler call) reaching the variants
+    above. Each uses the KV pool from block 0 (nothing else holds it at startup) and leaves no
+    request behind."""
     vocab = runner.model_config.vocab_size
     pool_tokens = runner.caches.num_blocks * runner.block_size
-    for length in PREFILL_LENGTHS:
-        if length <= pool_tokens:
+    interpreted = runner.device.type != "cuda"
+    lengths = INTERPRETED_PREFILL_LENGTHS if interpreted else PREFILL_LENGTHS
+    context = INTERPRETED_DECODE_CONTEXT if interpreted else DECODE_CONTEXT
+    steps = []
+
+    def prefill(length):
+        try:
             forward_whole(runner, prefill_plan(runner, [[1] * length], "__warmup"))
+        finally:
             runner.requests.clear()
-    if DECODE_CONTEXT + 1 <= pool_tokens:
-        _decode_once(runner, vocab)
-    for rows in sorted({1, min(max_num_seqs, num_sms(runner.device))}):
+
+    def sample(rows):
         # in the LM head's dtype, as the engine hands them over (a kernel variant per dtype)
         logits = torch.randn(rows, vocab, device=runner.device, dtype=runner.model_config.dtype)
         params = SamplingParams(temperature=0.6)
         sample_tokens(logits, [SamplingRow(params, i, [1], 1) for i in range(rows)]).tokens.tolist()
-    torch.cuda.synchronize(runner.device)
+
+    steps += [(f"prefill {n}", functools.partial(prefill, n)) for n in lengths if n <= pool_tokens]
+    if context + 1 <= pool_tokens:
+        steps.append(("decode", functools.partial(_decode_once, runner, vocab, context)))
+    steps += [(f"sample {rows}", functools.partial(sample, rows))
+              for rows in sorted({1, min(max_num_seqs, num_sms(runner.device))})]
+    return steps
+
+
+@torch.inference_mode()
+def warm_up_kernels(runner, max_num_seqs: int) -> float:
+    """Run the kernel variants above once on the runner's device; returns the seconds taken."""
+    start = time.perf_counter()
+    with runner.kernel_context():
+        for _, step in warm_up_steps(runner, max_num_seqs):
+            step()
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
     seconds = time.perf_counter() - start
     logger.info("kernels warmed up in %.2fs", seconds)
     return seconds
 
 
-def _decode_once(runner, vocab: int) -> None:
-    """One eager pure-decode step after a DECODE_CONTEXT-token prefill."""
-    tokens = [i % vocab for i in range(DECODE_CONTEXT)]
+def _decode_once(runner, vocab: int, context: int) -> None:
+    """One eager pure-decode step after a `context`-token prefill."""
+    tokens = [i % vocab for i in range(context)]
     plan = prefill_plan(runner, [tokens], "__warmup")
     forward_whole(runner, plan)
     new = plan.new_requests[0]
     runner.requests[new.request_id].token_ids.append(1)
-    blocks = -(-(DECODE_CONTEXT + 1) // runner.block_size)
+    blocks = -(-(context + 1) // runner.block_size)
     extra = list(range(len(new.block_ids), blocks))
-    decode = SchedulerOutput(cached_requests=[CachedRequestData(new.request_id, extra, DECODE_CONTEXT)],
+    decode = SchedulerOutput(cached_requests=[CachedRequestData(new.request_id, extra, context)],
                              num_scheduled_tokens={new.request_id: 1})
-    forward_whole(runner, decode)
-    runner.requests.clear()
+    try:
+        forward_whole(runner, decode)
+    finally:
+        runner.requests.clear()

@@ -22,7 +22,7 @@ from metrale.config.model_config import ModelConfig
 from metrale.executor.cache_layout import CacheLayout
 from metrale.executor.cache_tensors import CacheTensors
 from metrale.executor.sampler import SampledTokens, SamplingRow, sample_tokens
-from metrale.kernels import reference_forward
+from metrale.kernels import kernel_path
 from metrale.layers.cache_backend import CacheBackend, get_backend
 from metrale.layers.cache_spec import cached_layers
 from metrale.layers.forward_context import BatchLayout, ForwardContext, set_forward_context
@@ -99,12 +99,16 @@ class PendingOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, device: torch.device,
-                 cache_config: CacheConfig, backend: str = "auto", forward: str = "eager"):
-        """`forward`: graphs, eager or reference (--forward); reference runs every layer's PyTorch
-        path (kernels.reference_forward) and the PyTorch cache backends."""
+                 cache_config: CacheConfig, backend: str = "auto", forward: str | None = None):
+        """`forward`: graphs, eager or reference (--forward; default: eager on CUDA, reference on
+        the CPU); reference runs every layer's PyTorch path (kernels.kernel_path)."""
+        forward = forward or ("eager" if device.type == "cuda" else "reference")
         self.model = model
         self.forward_mode = forward
         self.reference = forward == "reference"
+        # The kernels' path for this runner's work (kernels.kernel_path): the PyTorch reference,
+        # the Triton kernels on CPU tensors (eager on a CPU: the interpreter), or the default rule.
+        self.kernel_path = "reference" if self.reference else "kernels" if device.type == "cpu" else None
         self.model_config = model_config
         self.device = device
         self.block_size = cache_config.block_size
@@ -112,6 +116,7 @@ class ModelRunner:
         self.layout = CacheLayout.of(model, cache_config)
         # The tokenizer's size where the checkpoint pads its vocabulary past it: padded ids are never sampled.
         self.sampled_vocab_size: int | None = None
+        self.kernel_report = None  # the startup kernel audit (executor.kernel_audit.KernelReport)
         # One backend per kind of cache the model keeps (attention, gdn, ...).
         self.backends: dict[str, CacheBackend] = {kind: get_backend(kind, backend, device)
                                                   for kind in self.layout.kinds}
@@ -249,14 +254,18 @@ class ModelRunner:
 
     def forward(self, batch: BatchInputs) -> torch.Tensor:
         """The hidden states of every token of the batch."""
-        with set_forward_context(self.forward_context(batch.layout)), reference_forward(self.reference):
+        with set_forward_context(self.forward_context(batch.layout)), self.kernel_context():
             return self.model(batch.input_ids, batch.layout.positions)
 
     @torch.inference_mode()
     def execute_async(self, plan: SchedulerOutput) -> PendingOutput:
         """Launch one step. Each sampled request gets a placeholder token until `result()`."""
-        with reference_forward(self.reference):
+        with self.kernel_context():
             return self._execute_async(plan)
+
+    def kernel_context(self):
+        """The kernels' path for work done for this runner (every forward and sampling call)."""
+        return kernel_path(self.kernel_path)
 
     def _execute_async(self, plan: SchedulerOutput) -> PendingOutput:
         self.apply_plan(plan)

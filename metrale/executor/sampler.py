@@ -111,7 +111,7 @@ def _sample_on_gpu(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     from metrale.kernels.sampling import sample_tokens_triton
 
     def column(values, dtype):
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(logits.device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, pin_memory=logits.is_cuda).to(logits.device, non_blocking=True)
 
     vocab = logits.shape[1]
     sampled = [r.params for r in rows if not r.params.greedy]  # greedy rows ignore the filters

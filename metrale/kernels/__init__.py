@@ -103,27 +103,38 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.type == "cuda" else None)
 
 
-# Set while a `--forward reference` model runs (ModelRunner): every dispatcher takes PyTorch.
-_reference_forward: contextvars.ContextVar[bool] = contextvars.ContextVar("met_reference_forward", default=False)
+# Which path the dispatchers take, when a caller decides it for a stretch of work: "reference"
+# while a `--forward reference` model runs (ModelRunner), "kernels" while the kernel audit runs
+# the Triton path on CPU tensors through the interpreter (`met serve --check-kernels` on a CPU).
+_forced_path: contextvars.ContextVar[str | None] = contextvars.ContextVar("met_kernel_path", default=None)
 
 
 @contextlib.contextmanager
-def reference_forward(on: bool = True):
-    """Within it (this thread or task), `use_triton` is False: the PyTorch reference everywhere."""
-    token = _reference_forward.set(on)
+def kernel_path(path: str | None):
+    """Within it (this thread or task), `use_triton` answers for `path`: "reference" (never),
+    "kernels" (always, where triton imports), or None (the default rule)."""
+    assert path in (None, "reference", "kernels"), path
+    token = _forced_path.set(path)
     try:
         yield
     finally:
-        _reference_forward.reset(token)
+        _forced_path.reset(token)
+
+
+def reference_forward(on: bool = True):
+    """Within it, the PyTorch reference everywhere (on=False: the default rule)."""
+    return kernel_path("reference" if on else None)
 
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the dispatching kernel functions take the Triton path for `t`.
-    CPU tensors always use the reference, even under TRITON_INTERPRET=1, so
-    CPU engine tests never pay for the (slow) interpreter by accident; so does everything inside
-    `reference_forward()`."""
-    return HAS_TRITON and t.is_cuda and not _reference_forward.get()
+    CPU tensors use the reference, even under TRITON_INTERPRET=1, so CPU engine tests never pay
+    for the (slow) interpreter by accident; `kernel_path` overrides the rule for a stretch of work."""
+    forced = _forced_path.get()
+    if forced is not None:
+        return HAS_TRITON and forced == "kernels"
+    return HAS_TRITON and t.is_cuda
 
 
-__all__ = ["HAS_TRITON", "triton", "tl", "interpret_mode", "triton_available", "use_triton", "reference_forward", "pdl_args", "pdl_wait",
+__all__ = ["HAS_TRITON", "triton", "tl", "interpret_mode", "triton_available", "use_triton", "reference_forward", "kernel_path", "pdl_args", "pdl_wait",
            "pdl_launch_dependents", "set_programmatic_launch", "programmatic_launch_supported", "num_sms"]

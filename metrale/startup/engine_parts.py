@@ -15,7 +15,8 @@ from metrale.config.model_config import ModelConfig
 from metrale.distributed.gather import gather_dicts
 from metrale.distributed.launch import ParallelRuntime
 from metrale.engine.engine import LLMEngine
-from metrale.executor.kernel_warmup import warm_up_kernels
+from metrale.executor.kernel_audit import KernelBuildError, check_report, kernel_audit, run_audited
+from metrale.executor.kernel_warmup import warm_up_steps
 from metrale.executor.memory_plan import MemoryPlan, fit_kv_blocks, rank_memory
 from metrale.executor.model_loader import build_model
 from metrale.executor.model_runner import ModelRunner
@@ -125,7 +126,11 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
     torch.manual_seed(args.seed)
     model = build_model(config, device, args.load_format, args.seed, show_progress=log.enabled)
     forward = resolve_forward(args, device)
-    backend = "torch" if forward == "reference" else args.attention_backend
+    backend = args.attention_backend
+    if args.forward == "reference":  # asked for, not the CPU's default
+        backend = "torch"
+    elif forward == "eager" and device.type == "cpu" and backend == "auto":  # the interpreter (checks)
+        backend = "triton"
     runner = ModelRunner(model, config, device, CacheConfig.from_args(args, config.dtype), backend, forward=forward)
     runner.sampled_vocab_size = sampled_vocab_size(config, tokenizer)
     log.phase("weights", f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
@@ -133,8 +138,38 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
     if runner.layout.has_state:
         logger.info("linear-attention recurrent state dtype: %s (--ssm-h-dtype)", args.ssm_h_dtype)
 
-    if device.type == "cuda":
-        measure_on_cuda(plan, runner, args, device)
+    # The audit records every Triton launch from the first forward on (phases 6 and 7).
+    with kernel_audit() as report:
+        try:
+            _size_caches(args, plan, runner, tokenizer, parallel, forward, log)
+            if forward != "reference":
+                # the same forwards on every rank (collectives); a step that cannot build its kernels
+                # is recorded and the others still run, so the report lists every failure
+                with runner.kernel_context(), torch.inference_mode():
+                    run_audited(report, warm_up_steps(runner, plan.max_num_seqs))
+        except Exception as e:
+            if not report.unresolved:
+                raise
+            error = e
+        else:
+            error = None
+    runner.kernel_report = report
+    try:
+        check_report(report)
+    except KernelBuildError as e:
+        e.report = report
+        raise e from error
+    log.phase("kernel audit", f"forward {forward}: {report.summary()}")
+    if log.enabled:
+        logger.info("%s", plan.table())
+    return runner, plan
+
+
+def _size_caches(args, plan, runner, tokenizer, parallel, forward: str, log: StartupLog) -> None:
+    """Phase 6: measured activations (CUDA), the KV pool and state slots agreed and allocated,
+    fp8 scales, CUDA graphs."""
+    if runner.device.type == "cuda":
+        measure_on_cuda(plan, runner, args, runner.device)
     fit_kv_blocks_on_every_rank(plan, args, parallel)
     runner.allocate_caches(plan.num_kv_blocks, plan.num_state_slots)
     calibrate_fp8_scales(args, runner, tokenizer, plan)
@@ -145,14 +180,6 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
     log.phase("kv cache", f"{plan.num_kv_blocks} blocks x {args.block_size} tokens "
                           f"({plan.kv_cache_bytes / 2**20:.0f} MiB, {plan.kv_bytes_per_token} B/token){state}, "
                           f"backends {runner.backend_names}")
-    if forward != "reference" and any(b.name == "triton" for b in runner.backends.values()):
-        warm_up_kernels(runner, plan.max_num_seqs)  # the same forwards on every rank (collectives)
-        log.phase("kernel audit", f"forward {forward}: Triton variants of the first steps compiled")
-    else:
-        log.phase("kernel audit", f"forward {forward}: PyTorch backends, nothing to compile")
-    if log.enabled:
-        logger.info("%s", plan.table())
-    return runner, plan
 
 
 def build_llm_engine(args: EngineArgs, log_startup: bool = False, reserved_cores: int = 0) -> LLMEngine:

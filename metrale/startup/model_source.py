@@ -10,6 +10,7 @@ import torch
 from metrale.config.demo_model import demo_model_dir
 from metrale.config.engine_args import EngineArgs
 from metrale.config.errors import OptionError
+from metrale.kernels import interpret_mode
 from metrale.config.model_config import ModelConfig, ModelLoadError, load_model_config
 from metrale.models.registry import supported_architectures
 
@@ -91,11 +92,15 @@ def resolve_forward(args: EngineArgs, device: torch.device) -> str:
     forward = args.forward
     if forward == "auto":
         forward = ("eager" if args.enforce_eager else "graphs") if device.type == "cuda" else "reference"
-    if forward in ("graphs", "eager") and device.type != "cuda":
-        raise OptionError(f"--forward {forward} runs the Triton kernels, which need a CUDA device; on the CPU "
-                          f"the forward is the PyTorch reference (--forward reference)")
+    if forward == "graphs" and device.type != "cuda":
+        raise OptionError("--forward graphs captures CUDA graphs, which need a CUDA device; on the CPU the forward "
+                          "is the PyTorch reference (--forward reference)")
+    if forward == "eager" and device.type != "cuda" and not interpret_mode():
+        raise OptionError("--forward eager runs the Triton kernels, which need a CUDA device (or, for checks "
+                          "only, TRITON_INTERPRET=1: their interpreter); on the CPU the forward is the PyTorch "
+                          "reference (--forward reference)")
     if forward == "graphs" and args.enforce_eager:
         raise OptionError("--forward graphs captures CUDA graphs, which --enforce-eager forbids; give one")
-    if forward == "reference" and args.attention_backend == "triton":
+    if args.forward == "reference" and args.attention_backend == "triton":
         raise OptionError("--forward reference runs the PyTorch backends everywhere; drop --attention-backend triton")
     return forward

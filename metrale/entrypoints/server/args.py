@@ -34,6 +34,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="Largest request line plus headers; larger ones get 431")
     group.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                        help="Log one line per HTTP request")
+    group.add_argument("--check-kernels", action="store_true",
+                       help="Start up to the kernel audit, print every Triton kernel variant the forward launches "
+                            "(compiled, cached, interpreted or unresolved), and exit with the unresolved count; on a "
+                            "CPU the kernels run through Triton's interpreter")
     group.add_argument("--profile", default=None, metavar="DIR",
                        help="Enable POST /start_profile and /stop_profile: the PyTorch profiler over chosen engine "
                             "steps, traces written to DIR (vLLM's routes)")
