@@ -109,3 +109,13 @@ def test_debug_shows_the_traceback(capsys):
             main(["generate", "--prompt", "x", "--max-num-seqs", "0", "--debug"])
     finally:
         show_tracebacks(False)
+
+
+def test_a_topology_the_model_cannot_take_is_one_line(checkpoint_factory, capsys):
+    # 4 attention heads do not split over 3 ranks: refused before any process starts
+    path = checkpoint_factory("llama")
+    capsys.readouterr()
+    code = main(["generate", "--model", path, "--device", "cpu", "--prompt", "x", "--tensor-parallel-size", "3"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith("error: LlamaForCausalLM: 4 attention heads cannot be split evenly over tp_size=3")
