@@ -10,10 +10,12 @@ Who starts whom (docs/parallel.md):
 - several hosts: every rank is started by hand with --world-size, --rank, --master-addr (rank
   0's address, not a loopback one) and --master-port.
 
-All ranks meet at a TCP store on master_addr:master_port (rank 0 hosts it, or torchrun's agent),
-then form: the world group (NCCL on CUDA, gloo on CPU), every TP and EP group, and a gloo group
-on the CPU for the step plans rank 0 broadcasts. The TP/EP/world groups go into
-`parallel_state`, and the MoE layout (`init_moe_layout`) before any model is built.
+All ranks meet at the rank rendezvous on master_addr:master_port: rank 0 hosts it, bound to that
+address only, and every rank proves it holds the ranks' secret (rendezvous.py, rank_access.py);
+under torchrun, torchrun's agent may host a TCP store instead. Then they form: the world group
+(NCCL on CUDA, gloo on CPU), every TP and EP group, and a gloo group on the CPU for the step
+plans rank 0 broadcasts. The TP/EP/world groups go into `parallel_state`, and the MoE layout
+(`init_moe_layout`) before any model is built.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import ipaddress
 import json
 import logging
 import os
@@ -36,6 +37,8 @@ import torch.distributed as dist
 
 from metrale.distributed import parallel_state
 from metrale.distributed.moe_layout import init_moe_layout, moe_layout
+from metrale.distributed.rank_access import (SECRET_ENV, Rendezvous, check_master_addr, is_loopback,
+                                             keep_collectives_on_loopback, open_rendezvous)
 from metrale.distributed.topology import Topology, TopologyError, resolve_topology
 from metrale.messages.errors import EngineDeadError
 
@@ -75,15 +78,6 @@ def torchrun_env(environ=None) -> TorchrunEnv | None:
     return TorchrunEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"])),
                        env["MASTER_ADDR"], int(env["MASTER_PORT"]),
                        env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
-
-
-def is_loopback(address: str) -> bool:
-    if address == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
 
 
 def topology_from_args(args, environ=None) -> tuple[Topology, TorchrunEnv | None]:
@@ -140,10 +134,10 @@ class ParallelRuntime:
     """What a rank holds once the groups exist: its topology and device, the CPU control group,
     and, on rank 0 of a one-host launch, the worker processes it started."""
 
-    def __init__(self, topology: Topology, device: torch.device, control_group, store,
+    def __init__(self, topology: Topology, device: torch.device, control_group, rendezvous: Rendezvous,
                  workers: list[WorkerProcess]):
         self.topology, self.device, self.control_group = topology, device, control_group
-        self.store, self.workers = store, workers
+        self.rendezvous, self.workers = rendezvous, workers
         self.closed = False
 
     def agree_min(self, value: int) -> int:
@@ -208,7 +202,9 @@ class ParallelRuntime:
             _destroy_groups_within(GROUP_TEARDOWN_TIMEOUT_S)
         parallel_state.reset_parallel_state()
         init_moe_layout(None)
-        self.store = None
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+            self.rendezvous = None
 
 
 def _destroy_groups_within(seconds: float) -> None:
@@ -248,11 +244,13 @@ def rank_device(requested: torch.device, local_rank: int) -> torch.device:
     return device
 
 
-def spawn_workers(args, topology: Topology, device: torch.device, master_port: int) -> list[WorkerProcess]:
+def spawn_workers(args, topology: Topology, device: torch.device, master_port: int,
+                  secret: str) -> list[WorkerProcess]:
     """Ranks 1..W-1 of a one-host launch, as fresh interpreters (never a fork of a process that may
-    hold CUDA). They get rank 0's EngineArgs as JSON, with the resolved world size and port."""
+    hold CUDA). They get rank 0's EngineArgs as JSON, with the resolved world size and port, and
+    the rendezvous secret in their environment (a command line is visible to every user)."""
     wire = dict(dataclasses.asdict(args), world_size=topology.world_size, master_port=master_port)
-    env = dict(os.environ, **MULTICAST_OFF)
+    env = dict(os.environ, **MULTICAST_OFF, **{SECRET_ENV: secret})
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -267,22 +265,6 @@ def spawn_workers(args, topology: Topology, device: torch.device, master_port: i
         workers.append(WorkerProcess(rank, subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)))
     logger.info("started %d worker rank(s): pids %s", len(workers), ", ".join(str(w.process.pid) for w in workers))
     return workers
-
-
-def _open_store(addr: str, port: int, world_size: int, is_master: bool, any_port: bool):
-    """The rendezvous: rank 0 listens, the others connect (retrying until it is up). On one host
-    only our own workers need the port, so a busy one (another engine, a previous one still
-    referenced in this process) is replaced by a free one."""
-    timeout = datetime.timedelta(seconds=STARTUP_TIMEOUT_S)
-    try:
-        return dist.TCPStore(addr, port, world_size, is_master=is_master, timeout=timeout, wait_for_workers=False)
-    except (RuntimeError, OSError) as e:
-        if not (is_master and any_port):
-            where = "listen on" if is_master else "reach rank 0's rendezvous at"
-            raise RuntimeError(f"cannot {where} {addr}:{port} ({e}); pass another --master-port") from None
-    store = dist.TCPStore(addr, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-    logger.info("port %d is in use; the rank rendezvous listens on %s:%d instead", port, addr, store.port)
-    return store
 
 
 def _wait_for_workers(store, workers: list[WorkerProcess]) -> None:
@@ -334,6 +316,7 @@ def join_ranks(args, topology: Topology, env: TorchrunEnv | None, device: torch.
     and set the groups layers use. The model split has been checked (startup.parallel)."""
     os.environ.update(MULTICAST_OFF)
     addr, port = (env.master_addr, env.master_port) if env else (args.master_addr, args.master_port)
+    check_master_addr(addr, args.allow_remote_ranks)
     spawn = env is None and not spawned and topology.rank == 0 and is_loopback(addr)
     local_rank = env.local_rank if env else topology.rank if (spawn or spawned) else (
         topology.rank % max(1, torch.cuda.device_count()) if device.type == "cuda" else 0)
@@ -341,9 +324,15 @@ def join_ranks(args, topology: Topology, env: TorchrunEnv | None, device: torch.
         raise TopologyError(f"{topology.world_size} ranks on one host need {topology.world_size} GPUs; "
                             f"this host has {torch.cuda.device_count()}")
     device = rank_device(device, local_rank)
-    is_master = topology.rank == 0 and not (env is not None and env.agent_store)
-    store = _open_store(addr, port, topology.world_size, is_master, any_port=spawn)
-    workers = spawn_workers(args, topology, device, store.port) if spawn else []
+    if is_loopback(addr):
+        chosen = keep_collectives_on_loopback(device.type)
+        if chosen and topology.rank == 0:
+            logger.info("collectives on loopback: %s", ", ".join(f"{k}={v}" for k, v in chosen.items()))
+    rendezvous = open_rendezvous(addr, port, topology.world_size, topology.rank, spawn=spawn, spawned=spawned,
+                                 agent_store=env is not None and env.agent_store, secret_file=args.rank_secret_file,
+                                 timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+    store = rendezvous.store
+    workers = spawn_workers(args, topology, device, rendezvous.port, rendezvous.secret) if spawn else []
     try:
         if workers:
             _wait_for_workers(store, workers)
@@ -355,12 +344,14 @@ def join_ranks(args, topology: Topology, env: TorchrunEnv | None, device: torch.
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         _init_groups(topology, device, getattr(args, "all_reduce_oneshot_max_kb", 0))
         init_moe_layout(moe_layout(topology, args.moe_expert_layout))
+        rendezvous.stop_accepting()
     except BaseException:
         kill_workers(workers)
         if dist.is_initialized():
             _destroy_groups_within(GROUP_TEARDOWN_TIMEOUT_S)
         parallel_state.reset_parallel_state()
         init_moe_layout(None)
+        rendezvous.close()
         raise
     logger.info("parallel: %s, %s backend, device %s", topology.describe(), backend, device)
-    return ParallelRuntime(topology, device, control, store, workers)
+    return ParallelRuntime(topology, device, control, rendezvous, workers)

@@ -320,16 +320,29 @@ def test_met_generate_with_tp_size(checkpoint):
     assert "stopped after" in done.stderr  # the worker left its loop on the stop message
 
 
-def test_torchrun_launches_every_rank(checkpoint):
+@pytest.mark.parametrize("store", ["agent", "met"])
+def test_torchrun_launches_every_rank(checkpoint, store):
+    """torchrun's agent hosts a TCPStore (its default: kept, and said to be torchrun's), or, with
+    the store's sharing turned off, rank 0 hosts met's, and the ranks authenticate with
+    MET_RANK_SECRET from torchrun's environment."""
     path, prompt = checkpoint("qwen3"), "Hello, world!"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), "-m", "metrale.entrypoints.worker",
+    if store == "agent":
+        launcher, env = ["--master-port", str(free_port())], _env()
+    else:
+        launcher = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+        env = dict(_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", MET_RANK_SECRET="0123456789abcdef" * 4)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *launcher,
+                           "-m", "metrale.entrypoints.worker",
                            "generate", "--model", path, "--prompt", prompt, "--max-tokens", str(NEW_TOKENS),
                            "--device", "cpu", "--tp-size", "2"],
-                          capture_output=True, text=True, env=_env(), timeout=180)
+                          capture_output=True, text=True, env=env, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.rstrip("\n") == _single_rank_text(path, prompt)
     assert "worker rank(s): pids" not in done.stderr  # torchrun started the ranks; rank 0 spawned none
+    if store == "agent":
+        assert "torchrun's own TCP store" in done.stderr
+    else:
+        assert re.search(r"rank rendezvous listening on (127\.0\.0\.1|\[::1\]):\d+", done.stderr), done.stderr
 
 
 def test_met_serve_with_tp_size(checkpoint, references, tmp_path):
@@ -375,18 +388,26 @@ def _host_address() -> str | None:
     return next((a for a in out if re.fullmatch(r"\d+\.\d+\.\d+\.\d+", a) and not a.startswith("127.")), None)
 
 
-def test_ranks_started_by_hand_as_on_several_hosts(checkpoint):
+def test_ranks_started_by_hand_as_on_several_hosts(checkpoint, tmp_path):
+    """Opted in with --allow-remote-ranks; rank 0 reads the secret from a file, rank 1 from
+    MET_RANK_SECRET. Rank 0's rendezvous listens on that address only."""
     address = _host_address()
     if address is None:
         pytest.skip("no non-loopback address on this machine")
     path, prompt, port = checkpoint("qwen3"), "Hello, world!", str(free_port())
+    secret = "0123456789abcdef" * 4
+    secret_file = tmp_path / "rank-secret"
+    secret_file.write_text(secret + "\n")
+    secret_file.chmod(0o600)
     common = ["--model", path, "--prompt", prompt, "--max-tokens", str(NEW_TOKENS), "--device", "cpu",
-              "--tp-size", "2", "--world-size", "2", "--master-addr", address, "--master-port", port]
+              "--tp-size", "2", "--world-size", "2", "--master-addr", address, "--master-port", port,
+              "--allow-remote-ranks"]
     worker = subprocess.Popen(_met("generate", *common, "--rank", "1"),  # a non-zero rank: no generate, steps
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=dict(_env(), MET_RANK_SECRET=secret))
     try:
-        done = subprocess.run(_met("generate", *common, "--rank", "0"), capture_output=True, text=True, env=_env(),
-                              timeout=120)
+        done = subprocess.run(_met("generate", *common, "--rank", "0", "--rank-secret-file", str(secret_file)),
+                              capture_output=True, text=True, env=_env(), timeout=120)
         worker_log, _ = worker.communicate(timeout=60)
     finally:
         if worker.poll() is None:
@@ -394,4 +415,5 @@ def test_ranks_started_by_hand_as_on_several_hosts(checkpoint):
     assert done.returncode == 0, done.stderr
     assert done.stdout.rstrip("\n") == _single_rank_text(path, prompt)
     assert "worker rank(s): pids" not in done.stderr  # rank 0 started nobody
+    assert f"rank rendezvous listening on {address}:{port}" in done.stderr
     assert worker.returncode == 0 and "rank 1: stopped after" in worker_log, worker_log
