@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from metrale.config.host import available_cores
 from metrale.distributed import parallel_state
 from metrale.distributed.moe_layout import init_moe_layout, moe_layout
 from metrale.distributed.rank_access import (SECRET_ENV, Rendezvous, check_master_addr, is_loopback,
@@ -111,6 +113,8 @@ def shard_sizes_of(topology: Topology, expert_layout: str):
 def ensure_no_live_groups(world_size: int) -> None:
     """One multi-rank engine per process: its groups are process-wide (layers read them when they
     are built, and torch.distributed has one default group)."""
+    if not parallel_state.is_single_rank():
+        gc.collect()  # an engine nobody refers to any more releases its groups when it is collected
     if not parallel_state.is_single_rank():
         raise RuntimeError("this process still holds the process groups of a multi-rank engine; shut that "
                            "engine down first (llm.llm_engine.shutdown())")
@@ -257,7 +261,7 @@ def spawn_workers(args, topology: Topology, device: torch.device, master_port: i
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in env:
         # Every rank computes at once; more threads than cores in all only adds contention.
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // topology.world_size))
+        env["OMP_NUM_THREADS"] = str(max(1, available_cores() // topology.world_size))
     workers = []
     for rank in range(1, topology.world_size):
         command = [sys.executable, "-m", "metrale.entrypoints.worker", "--spawned-by", str(os.getpid()),

@@ -8,8 +8,9 @@ import torch
 
 from metrale.config.engine_args import EngineArgs
 from metrale.config.model_config import ModelConfig
-from metrale.distributed.launch import (ParallelRuntime, ensure_no_live_groups, is_loopback, join_ranks,
-                                        shard_sizes_of, topology_from_args)
+from metrale.distributed.launch import (ParallelRuntime, ensure_no_live_groups, join_ranks, shard_sizes_of,
+                                        topology_from_args)
+from metrale.distributed.rank_access import is_loopback
 from metrale.distributed.topology import Topology, TopologyError, check_attention_heads, check_expert_layout
 from metrale.models.registry import get_model_class
 

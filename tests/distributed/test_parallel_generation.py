@@ -370,6 +370,9 @@ def test_met_serve_with_tp_size(checkpoint, references, tmp_path):
             "prompt": make_prompts(), "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}).json()
         assert [c["token_ids"] for c in sorted(reply["choices"], key=lambda c: c["index"])] == references("qwen3")[0]
+        ranks = httpx.get(f"http://127.0.0.1:{port}/memory", timeout=10).json()["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1]
+        assert all(r["weights_bytes"] > 0 and r["kv_cache_bytes"] > 0 and r["host_rss_bytes"] > 0 for r in ranks)
         server.send_signal(signal.SIGTERM)
         assert server.wait(60) == 0, log_path.read_text()
     finally:
@@ -377,6 +380,14 @@ def test_met_serve_with_tp_size(checkpoint, references, tmp_path):
             server.kill()
     log = log_path.read_text()
     assert all(_wait_gone(pid) for pid in _worker_pids(log)), log
+    # The fixed startup phases, the same numbers and names on both ranks (worker under its rank).
+    phases: dict[str, list[tuple[int, str]]] = {}
+    for match in re.finditer(r"(?:\[rank (\d+)\] )?metrale\.startup\.phases: \[(\d)\] (.+?) +\d+\.\d+s", log):
+        phases.setdefault(match.group(1) or "0", []).append((int(match.group(2)), match.group(3)))
+    names = ["imports", "model resolve", "configure", "backend", "topology", "weights", "kv cache", "kernel audit",
+             "ready"]
+    assert phases["0"] == list(enumerate(names)), phases
+    assert phases["1"] == list(enumerate(names))[1:8], phases
 
 
 def _host_address() -> str | None:
