@@ -41,6 +41,11 @@ def kv_skip_layers(spec: str) -> frozenset[int]:
         raise ValueError(f"kv_cache_dtype_skip_layers must be comma-separated layer indices, got {spec!r}") from None
 
 
+# max_num_batched_tokens=auto (EngineArgs.step_token_budget says why the CPU's is smaller).
+CUDA_STEP_TOKEN_BUDGET = 8192
+CPU_STEP_TOKEN_BUDGET = 512
+
+
 @dataclass
 class EngineArgs:
     model: str | None = option(None, "Hugging Face model directory (config.json, *.safetensors, tokenizer); "
@@ -65,7 +70,9 @@ class EngineArgs:
                                        aliases=("max_seq_len",))
     max_num_seqs: int | str = option(256, "Most requests running at once; auto: from the memory plan",
                                      parse=int_or_auto, aliases=("max_batch_size",))
-    max_num_batched_tokens: int = option(8192, "Token budget of one step (prefill chunks + decodes)")
+    max_num_batched_tokens: int | str = option("auto", "Token budget of one step (prefill chunks + decodes); auto: "
+                                                        "8192 on CUDA, 512 on the CPU, where a step's time bounds how "
+                                                        "soon an abort or a new request lands", parse=int_or_auto)
     block_size: int = option(16, "Tokens per KV cache block")
     num_kv_blocks: int | None = option(None, "Fix the KV pool's size in blocks; default: from the memory budget")
     kv_cache_memory: int | None = option(None, "Bytes for the KV pool; default: from --gpu-memory-utilization "
@@ -134,6 +141,7 @@ class EngineArgs:
                                  f"do not also give ep_size {self.ep_size}")
             self.ep_size = self.tp_size
         self.max_num_seqs = int_or_auto(self.max_num_seqs)
+        self.max_num_batched_tokens = int_or_auto(self.max_num_batched_tokens)
         self.state_checkpoint_slots = int_or_auto(self.state_checkpoint_slots)
         if self.state_checkpoint_slots != "auto" and self.state_checkpoint_slots < 0:
             raise ValueError(f"state_checkpoint_slots must be >= 0, got {self.state_checkpoint_slots}")
@@ -175,6 +183,16 @@ class EngineArgs:
     @property
     def kv_cache_skip_layers(self) -> frozenset[int]:
         return kv_skip_layers(self.kv_cache_dtype_skip_layers)
+
+    def step_token_budget(self, device_type: str) -> int:
+        """`max_num_batched_tokens` on this device. On the CPU a step's matmuls are compute-bound
+        from a few hundred rows on, so a larger step gains no throughput (the demo model and a
+        100M-parameter one were as fast or faster at 512 than at 8192), while every step runs to
+        its end before an abort, a newcomer's first chunk or the running decodes move on: at 8192 a
+        prefill step of the demo model took seconds on one core (docs/server.md, "Abort latency")."""
+        if self.max_num_batched_tokens != "auto":
+            return self.max_num_batched_tokens
+        return CUDA_STEP_TOKEN_BUDGET if device_type == "cuda" else CPU_STEP_TOKEN_BUDGET
 
     # -- other names --------------------------------------------------------------------------
 

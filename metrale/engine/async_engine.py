@@ -3,9 +3,15 @@
 The engine is not thread-safe, so exactly one thread (the engine thread) builds it and touches
 it. That thread loops `step()` while any request is unfinished and sleeps on a condition when
 idle. The event loop talks to it through an inbox of commands (add, abort) that the thread
-drains between steps; results come back in one `loop.call_soon_threadsafe` per step, which
-hands each request's newest RequestOutput to its RequestStream. Everything stays in one
-process: nothing is pickled or sent over a socket.
+drains between steps; whether each add was accepted goes back before the next step runs, and
+results come back in one `loop.call_soon_threadsafe` per step, which hands each request's
+newest RequestOutput to its RequestStream. Everything stays in one process: nothing is pickled
+or sent over a socket.
+
+An abort lands at the next step boundary: its blocks go back to the pool there and the snapshot
+says so before another step runs. A step is never interrupted, so the length of one step is
+what an abort waits for (EngineArgs.step_token_budget keeps CPU steps short; docs/server.md,
+"Abort latency").
 
 Outputs are cumulative (text and token ids so far), so a stream keeps only the newest one:
 a consumer slower than the engine skips intermediate outputs and loses nothing.
@@ -390,6 +396,13 @@ class AsyncEngine:
                     return
                 commands, self._inbox = self._inbox, []
             accepted, aborted = self._apply(commands)
+            # Both before the step, which may be long (a prefill chunk on the CPU): accepted
+            # streams start now, so a client gone meanwhile is seen (and aborted) a step sooner;
+            # aborted requests' blocks are back in the pool, and /metrics and /memory say so.
+            if accepted:
+                self._on_loop(self._deliver, accepted, [])
+            if aborted:
+                self._publish_snapshot()
             stepped = engine.has_unfinished_requests()
             self.step_started = time.monotonic() if stepped else None
             outputs = engine.step() if stepped else []
@@ -398,10 +411,10 @@ class AsyncEngine:
                 self.profiler.after_step()
             if outputs:
                 self.observer.on_outputs(outputs, time.monotonic())
-            if stepped or aborted:
+            if stepped:
                 self._publish_snapshot()
-            if accepted or outputs:
-                self._on_loop(self._deliver, accepted, outputs)
+            if outputs:
+                self._on_loop(self._deliver, [], outputs)
 
     def _apply(self, commands: list[_Add | _Abort | _Profile]) -> tuple[list[tuple[str, object]], bool]:
         accepted: list[tuple[str, object]] = []

@@ -55,7 +55,8 @@ class LLMEngine:
                         "(--generation-config vllm turns them off)",
                         ", ".join(f"{k}={v}" for k, v in self.sampling_defaults.items()))
         self.scheduler = Scheduler(num_kv_blocks=parts.plan.num_kv_blocks, block_size=args.block_size,
-                                   max_num_seqs=parts.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                   max_num_seqs=parts.max_num_seqs,
+                                   max_num_batched_tokens=args.step_token_budget(self.device.type),
                                    max_model_len=self.model_config.max_model_len,
                                    enable_prefix_caching=args.enable_prefix_caching,
                                    num_state_slots=parts.plan.max_num_seqs if parts.plan.state_bytes_per_slot else 0,

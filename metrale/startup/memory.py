@@ -40,7 +40,7 @@ def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
     activations."""
     meta_model = build_meta_model(config)
     layout = CacheLayout.of(meta_model, CacheConfig.from_args(args, config.dtype))
-    activation = estimate_activation_bytes(config.hf_config, config.dtype, args.max_num_batched_tokens,
+    activation = estimate_activation_bytes(config.hf_config, config.dtype, args.step_token_budget(device.type),
                                            1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs),
                                            config.vocab_size)
     weights = parameter_bytes(meta_model)
@@ -64,7 +64,7 @@ def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
 def measure_on_cuda(plan: MemoryPlan, runner: ModelRunner, args: EngineArgs, device: torch.device) -> None:
     """Replace the estimates with what the loaded model really uses."""
     rows = 1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs)
-    plan.activation_reserve_bytes = profile_activation_bytes(runner, args.max_num_batched_tokens, rows,
+    plan.activation_reserve_bytes = profile_activation_bytes(runner, args.step_token_budget(device.type), rows,
                                                              plan.max_model_len)
     plan.activation_measured = True
     free, total = torch.cuda.mem_get_info(device)

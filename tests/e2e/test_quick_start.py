@@ -33,7 +33,7 @@ def test_help_answers_within_a_second_and_shows_defaults():
     seconds, text = _best_time(MET + ["serve", "--help"])
     assert seconds < 1.0, f"met serve --help took {seconds:.2f}s"
     flat = " ".join(text.split())
-    for shown in ("(default: 8000)", "(default: 127.0.0.1)", "(default: 0.9)", "(default: 8192)"):
+    for shown in ("(default: 8000)", "(default: 127.0.0.1)", "(default: 0.9)", "8192 on CUDA, 512 on the CPU"):
         assert shown in flat, shown
 
 
