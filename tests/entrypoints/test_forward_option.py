@@ -29,13 +29,19 @@ def test_forward_resolves_per_device(kwargs, device, expected):
 
 @pytest.mark.parametrize("kwargs,device,message", [
     (dict(forward="graphs"), CPU, "need a CUDA device"),
-    (dict(forward="eager"), CPU, "need a CUDA device"),
+    (dict(forward="eager"), CPU, "need a CUDA device"),  # without the interpreter (below)
     (dict(forward="graphs", enforce_eager=True), CUDA, "forbids"),
     (dict(forward="reference", attention_backend="triton"), CUDA, "drop --attention-backend triton"),
 ])
-def test_forward_that_cannot_run_is_refused(kwargs, device, message):
+def test_forward_that_cannot_run_is_refused(kwargs, device, message, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(OptionError, match=message):
         resolve_forward(EngineArgs(**kwargs), device)
+
+
+def test_eager_on_a_cpu_runs_the_kernels_through_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_forward(EngineArgs(forward="eager"), CPU) == "eager"
 
 
 def test_reference_forward_turns_every_dispatcher_to_pytorch():
