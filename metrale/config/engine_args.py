@@ -81,6 +81,10 @@ class EngineArgs:
     attention_backend: str = option("auto", "Attention implementation; auto: triton on CUDA, torch on CPU",
                                     choices=("auto", "torch", "triton"))
     enforce_eager: bool = option(False, "Never capture CUDA graphs (the same as --forward eager on CUDA)")
+    lm_head_dtype: str = option("auto", "Element type of the LM head's weight and of the logits; auto: the model "
+                                        "dtype, as the reference system keeps it. float32 costs a float32 copy of "
+                                        "the head (its own copy where the embeddings are tied)",
+                                choices=("auto", "float32", "bfloat16", "float16"))
     forward: str = option("auto", "The executor: graphs: CUDA graphs over the fast (Triton) kernels; eager: the "
                                   "fast kernels without graphs; reference: the PyTorch backends everywhere; auto: "
                                   "graphs on CUDA (eager with --enforce-eager), reference on the CPU",

@@ -47,6 +47,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
+    def set_dtype(self, dtype: torch.dtype) -> None:
+        """Keep the head's weight, and so the logits, in `dtype` (--lm-head-dtype). A head tied to
+        the embeddings gets its own copy; the embeddings keep the model dtype."""
+        if self.weight.dtype != dtype:
+            self.weight = nn.Parameter(self.weight.detach().to(dtype), requires_grad=False)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = F.linear(hidden.to(self.weight.dtype), self.weight)
         return self.tp.all_gather_last_dim(logits)[..., :self.vocab_size]

@@ -23,7 +23,8 @@ from metrale.executor.model_runner import ModelRunner
 from metrale.executor.multiproc_executor import MultiprocExecutor, UniprocExecutor
 from metrale.kernels import programmatic_launch_supported, set_programmatic_launch
 from metrale.startup.cpu_threads import set_cpu_threads
-from metrale.startup.memory import calibrate_fp8_scales, fit_kv_blocks_on_every_rank, measure_on_cuda, plan_memory
+from metrale.startup.memory import (apply_lm_head_dtype, calibrate_fp8_scales, fit_kv_blocks_on_every_rank,
+                                    measure_on_cuda, plan_memory)
 from metrale.config.host import resident_bytes
 from metrale.startup.model_source import (check_activation, load_tokenizer, read_model_config, resolve_device,
                                           resolve_forward, sampled_vocab_size, vocabulary_note)
@@ -125,6 +126,7 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
 
     torch.manual_seed(args.seed)
     model = build_model(config, device, args.load_format, args.seed, show_progress=log.enabled)
+    apply_lm_head_dtype(model, args)
     forward = resolve_forward(args, device)
     backend = args.attention_backend
     if args.forward == "reference":  # asked for, not the CPU's default

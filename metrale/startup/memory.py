@@ -34,11 +34,21 @@ def build_meta_model(config: ModelConfig) -> torch.nn.Module:
             torch.set_default_dtype(previous)
 
 
+LM_HEAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def apply_lm_head_dtype(model: torch.nn.Module, args: EngineArgs) -> None:
+    """--lm-head-dtype: the head's weight (and so the logits) in that type; auto keeps the model's."""
+    if args.lm_head_dtype != "auto":
+        model.lm_head.set_dtype(LM_HEAD_DTYPES[args.lm_head_dtype])
+
+
 def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
                 device_total: int | None = None) -> MemoryPlan:
     """The plan before loading: exact weights and cache sizes from a meta-device build, estimated
     activations."""
     meta_model = build_meta_model(config)
+    apply_lm_head_dtype(meta_model, args)  # its bytes count as they will be
     layout = CacheLayout.of(meta_model, CacheConfig.from_args(args, config.dtype))
     activation = estimate_activation_bytes(config.hf_config, config.dtype, args.step_token_budget(device.type),
                                            1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs),

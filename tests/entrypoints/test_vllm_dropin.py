@@ -106,3 +106,20 @@ def test_server_requests_take_generation_defaults_only_for_unset_fields():
     params = given.sampling_params(max_tokens=given.resolved_max_tokens(), logprobs=None, max_n=4, vocab_size=100,
                                    defaults=defaults)
     assert (params.temperature, params.top_k, params.max_tokens) == (1.0, 5, 3)
+
+
+def test_lm_head_dtype_keeps_the_head_and_logits_in_float32(checkpoint_factory):
+    import torch
+
+    path = checkpoint_factory("llama3_tied")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    base = LLM(path, device="cpu", dtype="bfloat16")
+    wide = LLM(path, device="cpu", dtype="bfloat16", lm_head_dtype="float32")
+    model = wide.llm_engine.runner.model
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert not model.tied_embeddings  # the head got its own float32 copy
+    assert model.compute_logits(torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16)).dtype == torch.float32
+    # the plan counts the extra copy
+    assert wide.llm_engine.memory_plan.weight_bytes > base.llm_engine.memory_plan.weight_bytes
+    out = wide.generate(["Hello"], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6
