@@ -119,3 +119,27 @@ def test_a_topology_the_model_cannot_take_is_one_line(checkpoint_factory, capsys
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err and err.count("\n") == 1, err
     assert err.startswith("error: LlamaForCausalLM: 4 attention heads cannot be split evenly over tp_size=3")
+
+
+def test_unsupported_activation_is_refused(checkpoint_copy, capsys):
+    _edit_config(checkpoint_copy, hidden_act="gelu_pytorch_tanh")
+    code, err = _generate(checkpoint_copy, capsys)
+    assert code == 1 and "Traceback" not in err
+    assert "hidden_act 'gelu_pytorch_tanh' is not supported" in err
+
+
+def test_vocabulary_padded_past_the_tokenizer_is_never_sampled(checkpoint_factory):
+    import torch
+
+    from metrale import LLM, SamplingParams
+
+    path = checkpoint_factory("llama", vocab_size=512)  # the tokenizer holds 384 of them
+    llm = LLM(path, device="cpu", dtype="float32")
+    runner = llm.llm_engine.runner
+    assert runner.sampled_vocab_size == 384 < llm.llm_engine.model_config.vocab_size
+    with torch.no_grad():  # make the padded rows win every argmax, were they sampled
+        runner.model.lm_head.weight[384:] = runner.model.lm_head.weight[:128] * 50
+    outs = llm.generate(["Hello world", "The quick"], [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                                        SamplingParams(temperature=1.0, seed=1, max_tokens=8,
+                                                                       ignore_eos=True)], use_tqdm=False)
+    assert all(t < 384 for o in outs for t in o.outputs[0].token_ids)
