@@ -9,78 +9,21 @@ end before an abort lands), the engine thread, the event loop and /metrics.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
+from server_process import ServerProcess
+
 IDLE_WITHIN_SECONDS = 1.0
 QUESTION = "What is the assert statement? "
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Server:
-    def __init__(self, log_path: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log_path, "wb")
-        self.log_path = log_path
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen([sys.executable, "-m", "metrale.entrypoints.cli", "serve", "--device", "cpu",
-                                      "--port", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT, env=env)
-
-    def log(self) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-
-    def wait_ready(self, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"met serve exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"met serve did not become ready in {timeout}s:\n{self.log()}")
-
-    def metrics(self) -> dict[str, float]:
-        values = {}
-        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
-            if line.startswith("met:") and "{" in line:
-                name, _, rest = line.partition("{")
-                labels, _, value = rest.rpartition("} ")
-                if labels.count("=") == 1:
-                    values[name] = float(value)
-        return values
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = _Server(str(tmp_path_factory.mktemp("abort") / "serve.log"))
+    s = ServerProcess(None, str(tmp_path_factory.mktemp("abort") / "serve.log"), one_thread=False)
     try:
         s.wait_ready()
         yield s
@@ -89,13 +32,13 @@ def server(tmp_path_factory):
     assert code == 0, s.log()
 
 
-def _is_idle(server: _Server) -> bool:
+def _is_idle(server: ServerProcess) -> bool:
     m = server.metrics()
     return (m["met:num_requests_running"] == 0 and m["met:num_requests_waiting"] == 0
             and m["met:kv_cache_usage_perc"] == 0)
 
 
-def _seconds_until_idle(server: _Server, since: float, limit: float = 10.0) -> float:
+def _seconds_until_idle(server: ServerProcess, since: float, limit: float = 10.0) -> float:
     while not _is_idle(server):
         if time.monotonic() - since > limit:
             raise AssertionError(f"still busy {limit}s after the clients left: {server.metrics()}")
@@ -103,7 +46,7 @@ def _seconds_until_idle(server: _Server, since: float, limit: float = 10.0) -> f
     return time.monotonic() - since
 
 
-def _assert_nothing_held(server: _Server) -> None:
+def _assert_nothing_held(server: ServerProcess) -> None:
     device = httpx.get(server.url + "/memory", timeout=5).json()["devices"][0]
     assert device["kv_blocks_in_use"] == 0, device
 
