@@ -98,6 +98,8 @@ class EngineArgs:
     oom_watchdog_mib: int = option(1024, "On GPU: exit (status 1) when free device memory stays below this many "
                                          "MiB for 3 readings 2 s apart; 0 turns the watchdog off")
     enable_prefix_caching: bool = option(True, "Reuse the KV of full blocks shared with earlier requests")
+    structured_outputs_timeout: float = option(10.0, "Seconds a request's grammar (JSON schema, regex, choice, EBNF) "
+                                                     "may take to compile; one that takes longer is refused (400)")
     kv_cache_dtype: str = option("auto", "KV cache element type; auto: the model dtype; fp8: e4m3 with "
                                          "per-layer scales", choices=("auto", "float32", "bfloat16", "float16", "fp8"))
     kv_cache_dtype_skip_layers: str = option("", "Comma-separated layer indices whose KV cache stays in the model "
@@ -160,6 +162,8 @@ class EngineArgs:
             raise ValueError(f"fp8_kv_calibration_tokens must be >= 0, got {self.fp8_kv_calibration_tokens}")
         kv_skip_layers(self.kv_cache_dtype_skip_layers)  # validates
         self.config_overrides  # validates
+        if not self.structured_outputs_timeout > 0:
+            raise ValueError(f"structured_outputs_timeout must be > 0, got {self.structured_outputs_timeout}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for f in dataclasses.fields(self):

@@ -117,12 +117,20 @@ class LLMEngine:
                 f"completion). Please reduce the length of the messages or completion.", "max_tokens")
         return params.clone(max_tokens=max_tokens, eos_token_ids=self.eos_token_ids)
 
+    @property
+    def grammars(self):
+        """The compiled grammars of structured outputs (structured.GrammarCache), or None
+        without a tokenizer. Thread-safe: the server compiles through it off the engine thread."""
+        return self.runner.grammars
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None) -> None:
         if request_id in self._children:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
         params = self.validate_prompt(token_ids, params)
+        if params.structured_outputs is not None:
+            self._compile_grammar(params)
         children = []
         for index in range(params.n):
             # A seeded request with n > 1 gives each completion its own stream: seed + index.
@@ -133,6 +141,14 @@ class LLMEngine:
             self.scheduler.add_request(child)
         self.outputs.add(request_id, text, children)
         self._children[request_id] = [c.request_id for c in children]
+
+    def _compile_grammar(self, params: SamplingParams) -> None:
+        """Refuse a grammar that does not compile (InvalidRequestError) before anything is queued.
+        The server compiled it already, off this thread; offline, this waits for the compile."""
+        if self.grammars is None:
+            raise InvalidRequestError("structured outputs need the tokenizer, and this engine runs without one "
+                                      "(skip_tokenizer_init)", "structured_outputs")
+        self.grammars.compile(params.structured_outputs)
 
     def abort_request(self, request_id: str) -> None:
         for child_id in self._children.pop(request_id, []):
@@ -172,10 +188,12 @@ class LLMEngine:
         return [out for out in outputs if out is not None]
 
     def _needs_real_tokens(self, plan) -> bool:
-        """Penalties read the previous tokens' values: such a step waits for the one in flight."""
+        """Penalties read the previous tokens' values, and a grammar's token bitmask follows from
+        them: such a step waits for the one in flight (a batch with any constrained request runs
+        synchronously)."""
         requests = self.scheduler.requests
-        return any(requests[rid].sampling_params.has_penalties for rid in plan.num_scheduled_tokens
-                   if rid in requests)
+        return any(requests[rid].sampling_params.has_penalties or requests[rid].sampling_params.structured_outputs
+                   for rid in plan.num_scheduled_tokens if rid in requests)
 
     def _complete(self, plan, pending, touched: list[str]) -> None:
         result = pending.result()

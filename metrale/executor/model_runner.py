@@ -29,6 +29,8 @@ from metrale.layers.forward_context import BatchLayout, ForwardContext, set_forw
 from metrale.messages.sampling_params import SamplingParams
 # A placeholder's value is on the device; the next step's input takes it there.
 from metrale.messages.scheduler_output import PLACEHOLDER, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from metrale.structured.grammars import GrammarCache
+from metrale.structured.matchers import GrammarMatchers
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +129,14 @@ class ModelRunner:
         # The last launched step's sampled tokens on the device, and each request's row in them.
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
+        # Structured outputs: the compiled grammars and a matcher per constrained request
+        # (attach_grammars; absent without a tokenizer).
+        self.grammars: GrammarCache | None = None
+        self.matchers: GrammarMatchers | None = None
+
+    def attach_grammars(self, grammars: GrammarCache) -> None:
+        self.grammars = grammars
+        self.matchers = GrammarMatchers(grammars, pin_memory=self._pin)
 
     @property
     def backend_names(self) -> str:
@@ -180,8 +190,14 @@ class ModelRunner:
     def apply_plan(self, plan: SchedulerOutput) -> None:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
+            if self.matchers is not None:
+                self.matchers.remove(request_id)  # finished, aborted or preempted: a resumed one starts afresh
         for new in plan.new_requests:
             self.requests[new.request_id] = RunnerRequest.of(new)  # the scheduler built its lists for this plan alone
+            if new.sampling_params.structured_outputs is not None:
+                if self.matchers is None:
+                    raise RuntimeError("a request with structured outputs reached a runner without grammars")
+                self.matchers.add(new.request_id, new.sampling_params)
         for cached in plan.cached_requests:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -288,7 +304,7 @@ class ModelRunner:
             logits = logits[:, :self.sampled_vocab_size].contiguous()
         states = [self.requests[request_id] for request_id in batch.sampled_request_ids]
         sampled = sample_tokens(logits, [SamplingRow(st.sampling_params, st.seed, st.token_ids, st.num_prompt_tokens)
-                                         for st in states])
+                                         for st in states], self._token_bitmask(batch.sampled_request_ids, states))
         positions = []
         for state in states:
             positions.append(len(state.token_ids))
@@ -296,3 +312,12 @@ class ModelRunner:
         self._last_tokens = sampled.tokens
         self._last_rows = {request_id: row for row, request_id in enumerate(batch.sampled_request_ids)}
         return PendingOutput(self, batch.sampled_request_ids, positions, sampled)
+
+    def _token_bitmask(self, request_ids: list[str], states: list[RunnerRequest]):
+        """The constrained rows' token bitmask on the device, or None. Filled on the host while
+        the device runs the forward pass launched before it."""
+        if not self.matchers:
+            return None
+        mask = self.matchers.bitmask([(rid, st.token_ids, st.num_prompt_tokens)
+                                      for rid, st in zip(request_ids, states)])
+        return mask.to(self.device) if mask is not None else None

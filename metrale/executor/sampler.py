@@ -1,8 +1,9 @@
 """The sampler: from the last position's logits to one token per request, where the logits are.
 
 Order, as vLLM: logprobs of the raw model output; min_tokens masking of stop ids; logit_bias;
-repetition, frequency and presence penalties; then greedy argmax, or temperature, top-k, top-p and min-p
-and a draw. Every draw comes from a stream keyed by (request seed, output index), so a request's
+repetition, frequency and presence penalties; the structured-output token bitmask (tokens a
+request's grammar does not allow get -inf); then greedy argmax, or temperature, top-k, top-p and
+min-p and a draw. Every draw comes from a stream keyed by (request seed, output index), so a request's
 tokens do not depend on its batch or on being preempted and recomputed.
 """
 
@@ -15,6 +16,7 @@ import torch
 from metrale.messages.sampling_params import SamplingParams
 from metrale.messages.scheduler_output import TokenLogprobs
 from metrale.kernels import use_triton
+from metrale.kernels.token_bitmask import apply_token_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -158,16 +160,22 @@ class SampledTokens:
         return out
 
 
-def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
+def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow],
+                  token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampledTokens:
     """logits: [len(rows), vocab] for the last position of each sampled request, in the model's
     dtype. No host sync. Everything is computed on logits widened to fp32; the Triton sampler
     and the greedy argmax widen as they read (exact), so a batch with no penalties and no
-    logit bias costs no fp32 copy of its logits."""
+    logit bias costs no fp32 copy of its logits. `token_bitmask`: (row indices, packed int32
+    bitmask) of the constrained rows, on the logits' device; it masks the logits in place, after
+    the raw logprobs are taken (the caller hands over logits it does not read again)."""
     want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].float().log_softmax(dim=-1) if want_logprobs else None
     if any(r.params.changes_logits for r in rows):
         logits = logits.to(torch.float32, copy=True)
         _apply_penalties(logits, rows)
+    if token_bitmask is not None:
+        constrained_rows, bitmask = token_bitmask
+        apply_token_bitmask(logits, bitmask, constrained_rows)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows and use_triton(logits):
         tokens = _sample_on_gpu(logits, rows)

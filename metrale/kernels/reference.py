@@ -212,3 +212,17 @@ def qk_norm_rope(positions, q, k, q_weight, k_weight, eps, cos_sin_cache, rotary
     """
     return apply_rotary(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos_sin_cache,
                         rotary_dim, is_neox)
+
+
+# --------------------------------------------------------------------------- token bitmask
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """logits[rows[i], v] = -inf where bit v % 32 of bitmask[i, v // 32] is 0 (in place).
+    bitmask: int32 [len(rows), ceil(vocab / 32)], bit j of word w is token 32 * w + j (xgrammar's
+    layout); tokens past the bitmask's width are masked too."""
+    vocab = logits.shape[1]
+    tokens = torch.arange(vocab, device=logits.device)
+    words = bitmask.long()[:, (tokens // 32).clamp(max=bitmask.shape[1] - 1)]
+    allowed = ((words >> (tokens % 32)) & 1).bool() & (tokens < bitmask.shape[1] * 32)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

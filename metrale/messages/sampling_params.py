@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from metrale.messages.errors import InvalidRequestError
+from metrale.messages.structured_outputs import StructuredOutputsParams
 
 # Caps that keep one request from asking the engine for unbounded work (reliability case 7).
 MAX_N = 128
@@ -62,6 +63,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # The grammar the output follows (a JSON schema, regex, choice, EBNF), as plain data.
+    structured_outputs: StructuredOutputsParams | None = None
     # "cumulative": an output after every step, text and ids so far; "final_only": one output,
     # when the request ends (the offline API: nothing is built per step).
     output_kind: str = "cumulative"
@@ -75,6 +78,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -117,6 +121,13 @@ class SamplingParams:
                    f"logit_bias must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids to numbers")
             _check(all(_is_int(k) and k >= 0 and _is_number(v) and -100.0 <= v <= 100.0 for k, v in bias.items()),
                    "logit_bias", "logit_bias must map token ids (integers >= 0) to numbers in [-100, 100]")
+        if self.structured_outputs is not None:
+            # The grammar decides where the output ends: it allows the end-of-sequence token only
+            # where the output is complete, and nothing after it.
+            _check(not self.ignore_eos, "ignore_eos", "ignore_eos cannot be combined with structured outputs: "
+                                                      "the grammar decides where the output ends")
+            _check(not self.min_tokens, "min_tokens", "min_tokens cannot be combined with structured outputs: "
+                                                      "the grammar decides where the output ends")
 
     @property
     def greedy(self) -> bool:

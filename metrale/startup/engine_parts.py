@@ -30,6 +30,7 @@ from metrale.startup.model_source import (check_activation, load_tokenizer, read
                                           resolve_forward, sampled_vocab_size, vocabulary_note)
 from metrale.startup.parallel import ranks_started_here, start_parallel
 from metrale.startup.phases import StartupLog
+from metrale.structured.grammars import GrammarCache
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,9 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
         backend = "triton"
     runner = ModelRunner(model, config, device, CacheConfig.from_args(args, config.dtype), backend, forward=forward)
     runner.sampled_vocab_size = sampled_vocab_size(config, tokenizer)
+    if tokenizer is not None:  # every rank: each compiles the grammars of the requests it samples
+        runner.attach_grammars(GrammarCache(tokenizer, runner.sampled_vocab_size or config.vocab_size,
+                                            args.structured_outputs_timeout))
     log.phase("weights", f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
                          f"{plan.weight_bytes / 2**30:.2f} GiB")
     if runner.layout.has_state:

@@ -1,0 +1,137 @@
+"""GrammarMatchers: one xgrammar matcher per constrained request of a model runner.
+
+A matcher follows its request's output tokens lazily: when a step samples the request, the
+matcher first accepts the outputs it has not seen (every one of them is known by then: the
+engine reads a step's tokens before it launches a step that samples a constrained request),
+then fills the request's row of the step's token bitmask. So a request resumed after
+preemption gets a fresh matcher that catches up on its outputs so far, an aborted or finished
+one is dropped with the runner's state, and each of the n completions of a request, being its
+own engine request, has its own matcher. Speculative decoding would need matchers that roll
+back rejected drafts (xgrammar's `rollback`); met has none yet.
+
+The matcher's stop tokens are the request's end-of-sequence ids: the bitmask allows them only
+where the grammar's output is complete, and once complete nothing else, so a constrained
+request ends with finish_reason "stop" unless max_tokens comes first.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from metrale.messages.sampling_params import SamplingParams
+from metrale.messages.scheduler_output import PLACEHOLDER
+from metrale.structured.grammars import GrammarCache
+
+logger = logging.getLogger(__name__)
+
+# From this many constrained rows on, xgrammar fills the bitmask rows on several threads.
+BATCH_FILL_MIN_ROWS = 8
+
+
+@dataclass
+class _Matcher:
+    matcher: object  # xgrammar.GrammarMatcher
+    stop_token_ids: list[int]
+    num_accepted: int = 0  # output tokens accepted so far
+    warned: bool = False
+
+
+@dataclass
+class TokenBitmask:
+    """A step's constrained rows (indices into the sampled rows) and their packed bitmask,
+    int32 [len(rows), ceil(vocab / 32)] on the host (pinned for a CUDA runner)."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+    def to(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.tensor(self.rows, dtype=torch.int64, pin_memory=self.bitmask.is_pinned())
+        return rows.to(device, non_blocking=True), self.bitmask.to(device, non_blocking=True)
+
+
+class GrammarMatchers:
+    def __init__(self, grammars: GrammarCache, pin_memory: bool = False):
+        self.grammars = grammars
+        self.pin_memory = pin_memory
+        self._matchers: dict[str, _Matcher] = {}
+        self._batch = None  # xgrammar.BatchGrammarMatcher, made for the first large batch
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def add(self, request_id: str, params: SamplingParams) -> None:
+        """A matcher at the grammar's start (compiled here if this rank has not compiled it)."""
+        import xgrammar as xgr
+
+        compiled = self.grammars.compile(params.structured_outputs)
+        stops = sorted(set(params.eos_token_ids))
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
+        self._matchers[request_id] = _Matcher(matcher, stops or list(matcher.stop_token_ids))
+
+    def remove(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def bitmask(self, rows: list[tuple[str, list[int], int]]) -> TokenBitmask | None:
+        """The token bitmask of a step's sampled rows (request id, its tokens, its prompt length),
+        for those that have a matcher; None when none has."""
+        constrained = [(i, self._matchers[rid], tokens, num_prompt)
+                       for i, (rid, tokens, num_prompt) in enumerate(rows) if rid in self._matchers]
+        if not constrained:
+            return None
+        import xgrammar as xgr
+
+        words = xgr.get_bitmask_shape(1, self.grammars.vocab_size)[1]
+        bitmask = torch.zeros((len(constrained), words), dtype=torch.int32, pin_memory=self.pin_memory)
+        live, live_rows = [], []
+        for j, (i, entry, tokens, num_prompt) in enumerate(constrained):
+            self._catch_up(rows[i][0], entry, tokens, num_prompt)
+            if entry.matcher.is_terminated():  # after a stop token: only stop tokens again
+                _allow(bitmask[j], entry.stop_token_ids)
+            else:
+                live.append(entry.matcher)
+                live_rows.append(j)
+        if len(live) >= BATCH_FILL_MIN_ROWS:
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask(live, bitmask, live_rows)
+        else:
+            for matcher, j in zip(live, live_rows):
+                matcher.fill_next_token_bitmask(bitmask, j)
+        # A grammar that reached a dead end (allows no token at all) may still stop.
+        for j in (~bitmask.any(dim=1)).nonzero().flatten().tolist():
+            _allow(bitmask[j], constrained[j][1].stop_token_ids)
+        return TokenBitmask([i for i, *_ in constrained], bitmask)
+
+    def _catch_up(self, request_id: str, entry: _Matcher, tokens: list[int], num_prompt: int) -> None:
+        matcher = entry.matcher
+        known = len(tokens) - num_prompt
+        while entry.num_accepted < known:
+            token = tokens[num_prompt + entry.num_accepted]
+            if token == PLACEHOLDER:
+                raise RuntimeError(f"request {request_id}: a constrained request is sampled before its previous "
+                                   f"token is known (the engine must read that step first)")
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                if not entry.warned:
+                    entry.warned = True
+                    logger.warning("request %s: token %d is not one its grammar allows here; the output may not "
+                                   "follow the grammar", request_id, token)
+            entry.num_accepted += 1
+
+
+def _allow(row: torch.Tensor, token_ids: list[int]) -> None:
+    for token in token_ids:
+        word, bit = divmod(token, 32)
+        if word < row.shape[0]:
+            row[word] |= _bit(bit)
+
+
+def _bit(bit: int) -> int:
+    """Bit `bit` of an int32 word, as the signed value torch stores."""
+    value = 1 << bit
+    return value - (1 << 32) if value >= 1 << 31 else value
