@@ -94,3 +94,18 @@ def test_prompt_says_where_the_output_starts():
     assert prompt_thinking(R1) is True and prompt_thinking(MINIMAX) is True and prompt_thinking(GLM47) is True
     assert prompt_thinking(QWEN3_NO_THINKING) is False and prompt_thinking(GLM45_NO_THINKING) is False
     assert prompt_thinking(QWEN3) is None and prompt_thinking(R1_FIRST_TEMPLATE) is None
+
+
+@pytest.mark.parametrize("family", REASONING_PARSER_NAMES)
+@pytest.mark.parametrize("prompt", [QWEN3, QWEN3_NO_THINKING, R1])
+def test_random_mixes_of_tags(family, prompt):
+    import random
+
+    rng = random.Random(family + prompt)
+    pieces = ["<think>", "</think>", "<", "</", "<thi", "</thin", "\n", " ", "a", "東", "🙂"]
+    for _ in range(40):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 30)))
+        reasoning, content = split(family, prompt, text)
+        # nothing is invented, and what is dropped is only the tags and the whitespace beside them
+        assert len(reasoning) + len(content) <= len(text)
+        assert content in text and reasoning.replace("<think>", "") in text.replace("<think>", "")

@@ -181,3 +181,27 @@ def test_deepseek_v31_plain_calls():
 def test_deepseek_v3_malformed_calls_stay_content(item):
     text = CALLS_BEGIN + CALL_BEGIN + item + CALL_END + CALLS_END
     assert parse("deepseek_v3", text) == [text]
+
+
+# -- fuzz: any mix of the formats' pieces parses without error, the same however it is streamed ------
+
+PIECES = ["<tool_call>", "</tool_call>", "<function=get_weather>", "</function>", "<parameter=city>",
+          "</parameter>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<minimax:tool_call>",
+          "</minimax:tool_call>", '<invoke name="get_time">', "</invoke>", '<parameter name="city">', CALLS_BEGIN,
+          CALLS_END, CALL_BEGIN, CALL_END, SEP, "function", "get_weather", "get_time", '{"name": "get_time"}',
+          '{"city": "Oslo"}', "```json\n", "```", "\n", " ", "<", ">", '"', "{", "}", "x", "é", "🙂"]
+
+
+@pytest.mark.parametrize("parser", TOOL_CALL_PARSER_NAMES)
+def test_random_mixes_of_markers(parser):
+    import random
+
+    rng = random.Random(parser)
+    for _ in range(40):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(1, 40)))
+        events = check_streams(lambda: tool_call_parser(parser, FUNCTIONS), text, seeds=3)
+        content = "".join(e for e in events if isinstance(e, str))
+        calls = [e for e in events if isinstance(e, ToolCall)]
+        assert all(json.loads(c.arguments) is not None for c in calls)
+        if not calls:
+            assert content == text  # nothing is lost: without calls, the text is the content
