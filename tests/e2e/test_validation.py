@@ -71,7 +71,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": []}, "messages"),
     # features that are not there yet are refused, not ignored
     (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]"),
     (COMP, {"prompt": "Hi", "suffix": "end"}, "suffix"),

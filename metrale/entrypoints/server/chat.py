@@ -15,6 +15,7 @@ from metrale.entrypoints.server.choices import ChoiceCursor, check_output, final
 from metrale.entrypoints.server.logprobs import chat_logprobs
 from metrale.entrypoints.server.protocol import ChatCompletionRequest
 from metrale.entrypoints.server.state import ServerState
+from metrale.entrypoints.server.structured_outputs import with_structured_outputs
 from metrale.entrypoints.server.streaming import SSE_DONE, abort_on_exit, sse_event, sse_response, until_disconnected
 
 
@@ -26,6 +27,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     params = body.sampling_params(max_tokens=body.resolved_max_tokens(), logprobs=top_logprobs,
                                   max_n=state.config.max_n, vocab_size=model.vocab_size,
                                   defaults=model.sampling_defaults)
+    params = await with_structured_outputs(state, body, params)
     text, token_ids = await prompts.render_chat(body.messages, bool(body.add_generation_prompt),
                                                 bool(body.continue_final_message))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -17,6 +17,7 @@ from metrale.entrypoints.server.choices import ChoiceCursor, check_output, final
 from metrale.entrypoints.server.logprobs import completion_logprobs
 from metrale.entrypoints.server.protocol import CompletionRequest
 from metrale.entrypoints.server.state import ServerState
+from metrale.entrypoints.server.structured_outputs import with_structured_outputs
 from metrale.entrypoints.server.streaming import SSE_DONE, abort_on_exit, sse_event, sse_response, until_disconnected
 
 
@@ -27,6 +28,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     logprobs = body.engine_logprobs()
     params = body.sampling_params(max_tokens=body.max_tokens, logprobs=logprobs, max_n=state.config.max_n,
                                   vocab_size=model.vocab_size, defaults=model.sampling_defaults)
+    params = await with_structured_outputs(state, body, params)
     engine_prompts = []
     for i, prompt in enumerate(body.prompts()):
         if isinstance(prompt, str):

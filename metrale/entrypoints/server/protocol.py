@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from metrale.messages.sampling_params import MAX_LOGPROBS, SamplingParams
 from metrale.entrypoints.server.errors import bad_request
+from metrale.entrypoints.server.structured_outputs import StructuredOutputFields
 
 MAX_STOP_TOKEN_IDS = 256
 _LOGIT_BIAS_KEY = re.compile(r"^[0-9]{1,10}$")
@@ -52,8 +53,8 @@ class ChatMessage(_Strict):
     name: Text | None = None
 
 
-class SamplingFields(_Strict):
-    """The fields chat and completions share."""
+class SamplingFields(_Strict, StructuredOutputFields):
+    """The fields chat and completions share (structured outputs: structured_outputs.py)."""
 
     model: Text | None = Field(None, description="The served model name (see GET /v1/models)")
     n: int | None = 1
@@ -139,7 +140,6 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool | None = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def engine_logprobs(self) -> int | None:
         top = self.top_logprobs
@@ -161,8 +161,6 @@ class ChatCompletionRequest(SamplingFields):
             raise bad_request("tools are not supported yet", "tools")
         if self.tool_choice not in (None, "none", "auto"):
             raise bad_request("tool_choice is not supported yet", "tool_choice")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request("response_format other than text is not supported yet", "response_format")
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
 
