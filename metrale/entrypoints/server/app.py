@@ -37,7 +37,7 @@ from metrale.startup import build_llm_engine
 from metrale.entrypoints.server.metrics import CONTENT_TYPE, ServerMetrics
 from metrale.entrypoints.server.prompts import PromptRenderer
 from metrale.entrypoints.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                 ProfileRequest, TokenizeRequest)
+                                                 ProfileRequest, TokenizeRequest, check_template_kwargs)
 from metrale.entrypoints.server.state import Lifecycle, ModelInfo, ServerState
 
 logger = logging.getLogger("metrale.serve")
@@ -99,7 +99,9 @@ def build_app(state: ServerState) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            _, tokens = await prompts.render_chat(body.messages, bool(body.add_generation_prompt))
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
+            _, tokens = await prompts.render_chat(body.messages, bool(body.add_generation_prompt), tools=tools,
+                                                  template_kwargs=check_template_kwargs(body.chat_template_kwargs))
         else:
             tokens = await prompts.encode(body.prompt, bool(body.add_special_tokens))
         return JSONResponse({"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens})

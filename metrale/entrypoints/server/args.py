@@ -6,6 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from metrale.entrypoints.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
+
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_MAX_HEADER_BYTES = 32 << 10
 
@@ -44,6 +46,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stall-timeout", type=float, default=120.0,
                        help="GET /health answers 503 while one engine step has run longer than this many seconds "
                             "(0: never)")
+    group.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=None,
+                       help="Split the model's reasoning (<think>...</think>) from its answer into "
+                            "reasoning_content, in this family's format")
+    group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSER_NAMES, default=None,
+                       help="The format the model writes tool calls in, for tool_choice auto")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="Accept tool_choice auto (the default when a request has tools): the model's output "
+                            "is parsed for calls with --tool-call-parser")
 
 
 API_KEY_VARIABLE = "MET_API_KEY"
@@ -83,6 +93,9 @@ class ServerConfig:
     access_log: bool
     stall_timeout: float = 120.0
     profile_dir: str | None = None
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerConfig":
@@ -98,10 +111,13 @@ class ServerConfig:
             (args.max_header_bytes >= 1024,
              f"--max-header-bytes must be at least 1024, got {args.max_header_bytes}"),
             (args.stall_timeout >= 0, f"--stall-timeout must be >= 0, got {args.stall_timeout}"),
+            (not getattr(args, "enable_auto_tool_choice", False) or getattr(args, "tool_call_parser", None),
+             "--enable-auto-tool-choice needs --tool-call-parser (the format the model writes calls in)"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
         return cls(args.host, args.port, name, api_key_of(args), args.max_waiting, args.shutdown_timeout, args.max_n,
                    args.max_body_bytes, args.max_header_bytes, args.access_log, args.stall_timeout,
-                   getattr(args, "profile", None))
+                   getattr(args, "profile", None), getattr(args, "reasoning_parser", None),
+                   getattr(args, "tool_call_parser", None), bool(getattr(args, "enable_auto_tool_choice", False)))

@@ -19,6 +19,7 @@ Bounds before work, cheapest first (the body-size cap of the gate comes before a
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -31,27 +32,62 @@ PIECE_CHARS = 256 * 1024
 TOKENS_PER_CUT = 16
 
 
-def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
-    """OpenAI messages -> the plain dicts a chat template reads; text parts are joined."""
+def _object_arguments(text: str):
+    """A past call's arguments as the mapping most templates read, or None if they are not a JSON object."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _text_of(message: ChatMessage, i: int) -> str:
+    content = message.content
+    if not isinstance(content, list):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"content parts of type {part.type!r} are not supported; only text",
+                              f"messages[{i}].content[{j}]")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def messages_for_template(messages: list[ChatMessage], arguments_as_text: bool = False) -> list[dict]:
+    """OpenAI messages -> the plain dicts a chat template reads; text parts are joined. Tool results
+    carry their tool_call_id; an assistant's past calls keep OpenAI's shape, with their arguments
+    as a mapping, which most templates read (Qwen3-Coder's, GLM's, MiniMax's, Llama's), or, with
+    `arguments_as_text`, as the JSON text the client sent (DeepSeek's templates concatenate it)."""
     rendered = []
     for i, message in enumerate(messages):
-        if message.role == "tool":
-            raise bad_request("tool messages are not supported yet", f"messages[{i}].role")
-        content = message.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise bad_request(f"content parts of type {part.type!r} are not supported; only text",
-                                      f"messages[{i}].content[{j}]")
-                texts.append(part.text)
-            content = "\n".join(texts)
         role = "system" if message.role == "developer" else message.role
-        entry = {"role": role, "content": content or ""}
+        entry = {"role": role, "content": _text_of(message, i)}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            if role != "assistant":
+                raise bad_request("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
+            entry["tool_calls"] = []
+            for call in message.tool_calls:
+                arguments = None if arguments_as_text else _object_arguments(call.function.arguments)
+                entry["tool_calls"].append({"id": call.id, "type": "function", "function": {
+                    "name": call.function.name,
+                    "arguments": call.function.arguments if arguments is None else arguments}})
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None and role == "assistant":
+            entry["reasoning_content"] = message.reasoning_content
         rendered.append(entry)
     return rendered
+
+
+def message_chars(message: ChatMessage) -> int:
+    """The characters a message adds, before the template's own."""
+    content = message.content
+    chars = len(content) if isinstance(content, str) else sum(len(p.text or "") for p in content or ())
+    return (chars + len(message.reasoning_content or "")
+            + sum(len(c.function.arguments) + len(c.function.name) for c in message.tool_calls or ()))
 
 
 @dataclass
@@ -131,32 +167,47 @@ class PromptRenderer:
 
     # -- chat ----------------------------------------------------------------------------------
 
-    def _render_chat(self, tokenizer, messages: list[dict], add_generation_prompt: bool,
-                     continue_final_message: bool) -> tuple[str, list[int]]:
+    def _render_chat(self, tokenizer, conversations: list[list[dict]], add_generation_prompt: bool,
+                     continue_final_message: bool, tools: list[dict] | None,
+                     template_kwargs: dict) -> tuple[str, list[int]]:
+        """`conversations`: the messages, then the same with past calls' arguments as text, for a
+        template that refuses them as mappings (one entry when there are no past calls)."""
         tokenizer = self._need_tokenizer(tokenizer, "messages")
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        messages = conversations[0]
         if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
             raise bad_request("continue_final_message needs a final assistant message and "
                               "add_generation_prompt false", "continue_final_message")
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message)
-        except Exception as e:  # noqa: BLE001 - jinja raise_exception(), bad roles, ...
-            raise bad_request(f"the chat template refused the messages: {e}", "messages") from None
+        for attempt, messages in enumerate(conversations):
+            try:
+                text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                     add_generation_prompt=add_generation_prompt,
+                                                     continue_final_message=continue_final_message,
+                                                     **template_kwargs)
+                break
+            except Exception as e:  # noqa: BLE001 - jinja raise_exception(), bad roles, ...
+                if attempt == len(conversations) - 1:
+                    raise bad_request(f"the chat template refused the messages: {e}", "messages") from None
         self.check_length(len(text), "messages")
         # The template writes any BOS itself: do not let the tokenizer add another.
         return text, self._encode_bounded(tokenizer, text, False, "messages")
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                          continue_final_message: bool = False) -> tuple[str, list[int]]:
-        plain = messages_for_template(messages)
-        if not plain:
+                          continue_final_message: bool = False, tools: list[dict] | None = None,
+                          template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """The prompt text and its token ids. `tools` (OpenAI's function definitions) and
+        `template_kwargs` (a request's chat_template_kwargs, checked by the protocol) reach the
+        template."""
+        if not messages:
             raise bad_request("messages must not be empty", "messages")
-        chars = sum(len(m["content"]) for m in plain)
+        chars = sum(message_chars(m) for m in messages)
         self.check_length(chars, "messages")
-        return await self._run(chars, self._render_chat, plain, add_generation_prompt, continue_final_message)
+        conversations = [messages_for_template(messages)]
+        if any(m.tool_calls for m in messages):
+            conversations.append(messages_for_template(messages, arguments_as_text=True))
+        return await self._run(chars, self._render_chat, conversations, add_generation_prompt, continue_final_message,
+                               tools, template_kwargs or {})
 
     # -- text <-> token ids ----------------------------------------------------------------------
 

@@ -47,10 +47,67 @@ class ContentPart(_Strict):
     text: Text | None = None
 
 
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Strict):
+    """A call an assistant message made earlier in the conversation."""
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant
+    tool_call_id: Text | None = None  # tool
+    reasoning_content: Text | None = None  # assistant: templates that keep the last turn's reasoning read it
+
+
+# OpenAI's rule for function names, with '.' and ':' too (namespaced tools); the parsers rely on a
+# name holding no whitespace, quotes or angle brackets.
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
+class FunctionDefinition(_Strict):
+    name: ToolName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+# Keys of apply_chat_template that a request's chat_template_kwargs may not set: the server sets
+# them itself (a template of the request's own would be code the server runs).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    for key in kwargs or {}:
+        if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+            raise bad_request(f"chat_template_kwargs may not set {key!r}", "chat_template_kwargs")
+    return dict(kwargs or {})
 
 
 class SamplingFields(_Strict, StructuredOutputFields):
@@ -138,8 +195,14 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension: extra variables for "
+                                                                          "the chat template, such as "
+                                                                          "enable_thinking")
+    include_reasoning: bool | None = Field(True, description="vLLM extension: false drops the reasoning "
+                                                             "(with --reasoning-parser)")
 
     def engine_logprobs(self) -> int | None:
         top = self.top_logprobs
@@ -157,10 +220,6 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def check_supported(self) -> None:
-        if self.tools:
-            raise bad_request("tools are not supported yet", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice is not supported yet", "tool_choice")
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
 
@@ -206,6 +265,8 @@ class TokenizeRequest(_Strict):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = True
     add_generation_prompt: bool | None = True
 
