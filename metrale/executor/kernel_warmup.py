@@ -13,7 +13,9 @@ input views in the runner), so the variants are few and known:
     times the GQA group): prefills of 1..33 tokens reach all three;
   * eager split-KV decode over a table of several splits;
   * the sampler's two paths for temperature sampling (a program per row and chunk below the
-    SM count, a program per row at or above it).
+    SM count, a program per row at or above it);
+  * the structured-output token bitmask, on logits of the LM head's dtype and of float32 (a
+    batch with penalties), so the first constrained request compiles nothing.
 Decode CUDA graphs compile their kernels when they are captured. Filters (top-k, top-p,
 min-p) compile on the first request that uses them.
 """
@@ -30,6 +32,7 @@ import torch
 from metrale.executor.sampler import SamplingRow, sample_tokens
 from metrale.executor.startup_passes import forward_whole, prefill_plan
 from metrale.kernels import num_sms
+from metrale.kernels.token_bitmask import apply_token_bitmask
 from metrale.messages.sampling_params import SamplingParams
 from metrale.messages.scheduler_output import CachedRequestData, SchedulerOutput
 
@@ -73,7 +76,18 @@ def warm_up_steps(runner, max_num_seqs: int) -> list[tuple[str, Callable[[], Non
         steps.append(("decode", functools.partial(_decode_once, runner, vocab, context)))
     steps += [(f"sample {rows}", functools.partial(sample, rows))
               for rows in sorted({1, min(max_num_seqs, num_sms(runner.device))})]
+    if runner.grammars is not None:
+        dtypes = dict.fromkeys([runner.model_config.dtype, torch.float32])
+        steps += [(f"token bitmask {str(dtype).removeprefix('torch.')}", functools.partial(_bitmask, runner, dtype))
+                  for dtype in dtypes]
     return steps
+
+
+def _bitmask(runner, dtype: torch.dtype) -> None:
+    vocab = runner.sampled_vocab_size or runner.model_config.vocab_size
+    logits = torch.zeros(1, vocab, device=runner.device, dtype=dtype)
+    bitmask = torch.zeros(1, -(-vocab // 32), device=runner.device, dtype=torch.int32)
+    apply_token_bitmask(logits, bitmask, torch.zeros(1, dtype=torch.int64, device=runner.device))
 
 
 @torch.inference_mode()

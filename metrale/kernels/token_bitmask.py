@@ -14,8 +14,9 @@ import torch
 from metrale.kernels import reference, tl, triton, use_triton
 
 BLOCK_V = 1024
-# The number of constrained rows changes every step: no kernel variant per value of it.
-NO_SPECIALIZE = ["n_rows", "vocab", "words"]
+# The number of constrained rows changes every step, and the widths with the vocabulary: no
+# kernel variant per value of them.
+NO_SPECIALIZE = ["n_rows", "vocab", "words", "stride_row"]
 
 
 @triton.jit(do_not_specialize=NO_SPECIALIZE)

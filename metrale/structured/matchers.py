@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from metrale.messages.sampling_params import SamplingParams
@@ -86,7 +87,7 @@ class GrammarMatchers:
             return None
         import xgrammar as xgr
 
-        words = xgr.get_bitmask_shape(1, self.grammars.vocab_size)[1]
+        words = -(-self.grammars.vocab_size // 32)
         bitmask = torch.zeros((len(constrained), words), dtype=torch.int32, pin_memory=self.pin_memory)
         live, live_rows = [], []
         for j, (i, entry, tokens, num_prompt) in enumerate(constrained):
@@ -104,7 +105,7 @@ class GrammarMatchers:
             for matcher, j in zip(live, live_rows):
                 matcher.fill_next_token_bitmask(bitmask, j)
         # A grammar that reached a dead end (allows no token at all) may still stop.
-        for j in (~bitmask.any(dim=1)).nonzero().flatten().tolist():
+        for j in np.flatnonzero(~bitmask.numpy().any(axis=1)).tolist():
             _allow(bitmask[j], constrained[j][1].stop_token_ids)
         return TokenBitmask([i for i, *_ in constrained], bitmask)
 
