@@ -67,10 +67,13 @@ class GrammarMatchers:
         return request_id in self._matchers
 
     def add(self, request_id: str, params: SamplingParams) -> None:
-        """A matcher at the grammar's start (compiled here if this rank has not compiled it)."""
+        """A matcher at the grammar's start. Rank 0 finds the grammar compiled (the request was
+        refused otherwise); a worker rank compiles it here, waiting as long as it takes: the
+        spec compiled within the timeout on rank 0, and a rank cannot refuse what rank 0 took."""
         import xgrammar as xgr
 
-        compiled = self.grammars.compile(params.structured_outputs)
+        self.grammars.ready().result()
+        compiled = self.grammars.submit(params.structured_outputs).result()
         stops = sorted(set(params.eos_token_ids))
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
         self._matchers[request_id] = _Matcher(matcher, stops or list(matcher.stop_token_ids))

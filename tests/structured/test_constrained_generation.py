@@ -163,3 +163,19 @@ def test_invalid_grammar_is_refused_before_queueing(llm):
     assert e.value.param == "structured_outputs"
     assert not llm.llm_engine.has_unfinished_requests()
     assert _generate(llm, [("Hello", _params(Spec(choice=["ok"]), 0))])[0].text == "ok"
+
+
+def test_two_ranks_compile_and_draw_what_one_rank_does(checkpoint, reference):
+    """Every rank samples, so every rank holds matchers: the worker compiles each spec itself
+    when the request reaches it. tp=2 with asynchronous scheduling draws one rank's tokens."""
+    from parallel_cases import free_port
+
+    batch, expected = reference
+    subset = list(range(0, len(batch), 5))
+    llm = LLM(checkpoint, dtype="float32", device="cpu", tp_size=2, master_port=free_port(), async_scheduling=True,
+              num_kv_blocks=256, max_model_len=512)
+    try:
+        outputs = _generate(llm, [batch[i] for i in subset])
+    finally:
+        llm.close()
+    assert [o.text for o in outputs] == [expected[i].text for i in subset]

@@ -19,6 +19,14 @@ HEAVY = Spec(json={"enum": [f"v{i}" for i in range(20000)]})  # ~0.8 s to compil
 
 
 @pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """The tiny byte-level BPE tokenizer of the test checkpoints (384 tokens)."""
+    from checkpoints import make_tokenizer
+
+    return make_tokenizer(str(tmp_path_factory.mktemp("tokenizer")))
+
+
+@pytest.fixture(scope="module")
 def grammars(tokenizer):
     cache = GrammarCache(tokenizer, len(tokenizer), timeout_s=5.0)
     cache.ready().result()
