@@ -122,6 +122,7 @@ async def constrain(state, params: SamplingParams, spec: StructuredOutputsParams
         # The first use imports xgrammar and reads the vocabulary: not part of any compile's time.
         await asyncio.shield(asyncio.wrap_future(grammars.ready()))
         compiled = asyncio.wrap_future(grammars.submit(spec))
+        compiled.add_done_callback(_retrieve)  # a compile that fails after its waiter left logs nothing
         # shield: a request that stops waiting leaves the compile (shared, cached) running.
         await asyncio.wait_for(asyncio.shield(compiled), grammars.timeout_s)
     except asyncio.TimeoutError:
@@ -129,6 +130,11 @@ async def constrain(state, params: SamplingParams, spec: StructuredOutputsParams
     except StructuredOutputsError as e:
         raise bad_request(f"{param}: {e}", param) from None
     return constrained
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def with_structured_outputs(state, body: StructuredOutputFields, params: SamplingParams) -> SamplingParams:
