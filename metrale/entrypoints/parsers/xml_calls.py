@@ -74,28 +74,33 @@ class _XmlCallParser(TaggedCallParser):
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
-class Qwen3CoderParser(_XmlCallParser):
-    open_marker = "<tool_call>"
-    close_marker = "</tool_call>"
-    value_newlines = True
+class _InvocationParser(_XmlCallParser):
+    """Blocks of one or more invocations, each a name and named parameters between markers:
+    {call_open}NAME{name_end} ({param_open}KEY{name_end}VALUE{param_close})* {call_close}."""
+
+    call_open: str
+    call_close: str
+    param_open: str
+    name_end: str
+    param_close = "</parameter>"
 
     def parse_block(self, body: str) -> list[ToolCall] | None:
         reader, calls = _Reader(body), []
         while not reader.at_end():
-            if not reader.take("<function="):
+            if not reader.take(self.call_open):
                 return None
-            name = reader.until(">")
+            name = reader.until(self.name_end)
             if not _name_ok(name):
                 return None
             pairs = []
             while True:
                 reader.skip_space()
-                if reader.take("</function>"):
+                if reader.take(self.call_close):
                     break
-                if not reader.take("<parameter="):
+                if not reader.take(self.param_open):
                     return None
-                key = reader.until(">")
-                value = reader.until("</parameter>") if key is not None else None
+                key = reader.until(self.name_end)
+                value = reader.until(self.param_close) if key is not None else None
                 if value is None or not _name_ok(key):
                     return None
                 pairs.append((key, value))
@@ -104,6 +109,13 @@ class Qwen3CoderParser(_XmlCallParser):
                 return None
             calls.append(call)
         return calls or None
+
+
+class Qwen3CoderParser(_InvocationParser):
+    open_marker = "<tool_call>"
+    close_marker = "</tool_call>"
+    value_newlines = True
+    call_open, name_end, call_close, param_open = "<function=", ">", "</function>", "<parameter="
 
 
 class Glm45Parser(_XmlCallParser):
@@ -133,32 +145,7 @@ class Glm45Parser(_XmlCallParser):
         return None if call is None else [call]
 
 
-class MiniMaxM2Parser(_XmlCallParser):
+class MiniMaxM2Parser(_InvocationParser):
     open_marker = "<minimax:tool_call>"
     close_marker = "</minimax:tool_call>"
-
-    def parse_block(self, body: str) -> list[ToolCall] | None:
-        reader, calls = _Reader(body), []
-        while not reader.at_end():
-            if not reader.take('<invoke name="'):
-                return None
-            name = reader.until('">')
-            if not _name_ok(name):
-                return None
-            pairs = []
-            while True:
-                reader.skip_space()
-                if reader.take("</invoke>"):
-                    break
-                if not reader.take('<parameter name="'):
-                    return None
-                key = reader.until('">')
-                value = reader.until("</parameter>") if key is not None else None
-                if value is None or not _name_ok(key):
-                    return None
-                pairs.append((key, value))
-            call = self._call(name, pairs)
-            if call is None:
-                return None
-            calls.append(call)
-        return calls or None
+    call_open, name_end, call_close, param_open = '<invoke name="', '">', "</invoke>", '<parameter name="'
