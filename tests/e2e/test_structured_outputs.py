@@ -226,3 +226,36 @@ def test_compile_past_the_timeout_is_400_while_others_flow(slow_compile_server):
     worst = max(max(pair) for pair in during)
     assert worst < max(0.5, 5 * baseline), (baseline, during)
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory):
+    """The built-in demo model, a trained model whose free text is English about Python."""
+    server = ServerProcess(None, str(tmp_path_factory.mktemp("demo") / "serve.log")).wait_ready()
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+def test_demo_model_answers_in_the_schema_and_calls_a_required_tool(demo_server):
+    client = demo_server.client()
+    schema = {"type": "object", "properties": {"statement": {"type": "string", "maxLength": 60},
+                                               "keyword": {"enum": ["assert", "pass", "yield"]}},
+              "required": ["statement", "keyword"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "What is the assert statement?"}]
+    for seed in range(4):
+        choice = client.chat.completions.create(
+            model="demo", messages=messages, temperature=0.8, seed=seed, max_tokens=120,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
+                                                                     "strict": True}}).choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    tool = {"type": "function", "function": {"name": "lookup", "description": "Look up a Python keyword",
+                                             "parameters": {"type": "object", "required": ["keyword"],
+                                                            "properties": {"keyword": {"type": "string",
+                                                                                       "maxLength": 20}}}}}
+    choice = client.chat.completions.create(model="demo", messages=messages, tools=[tool], max_tokens=80,
+                                            tool_choice={"type": "function", "function": {"name": "lookup"}},
+                                            temperature=0).choices[0]
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "lookup"
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
