@@ -94,6 +94,24 @@ def check_no_remote_code(raw: dict, architecture: str, model_dir: str) -> None:
                     "implementation and none of that code", architecture)
 
 
+# quantization_config methods met loads (none yet: block FP8 is next).
+SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
+
+
+def check_quantization(raw: dict, model_dir: str) -> None:
+    """Refuse, before anything is loaded, a checkpoint quantized with a method met does not
+    implement: its packed weights and scales would otherwise load as garbage."""
+    config = raw.get("quantization_config")
+    if not config:
+        return
+    method = config.get("quant_method", "(no quant_method)") if isinstance(config, dict) else repr(config)
+    if method not in SUPPORTED_QUANTIZATION:
+        supported = ", ".join(SUPPORTED_QUANTIZATION) or "none yet"
+        raise ModelLoadError(f"{model_dir!r} is quantized with {method!r} (config.json quantization_config); met "
+                             f"does not load that method (supported: {supported}). Use the unquantized (bf16) "
+                             f"checkpoint of the model.")
+
+
 def read_hf_config(model_dir: str, raw: dict):
     """transformers' config object, never from the checkpoint's code."""
     from transformers import AutoConfig
@@ -126,6 +144,7 @@ def load_model_config(model_dir: str, dtype: str, device: torch.device,
             f"model architecture {architectures or '(none given)'} is not supported; "
             f"supported architectures: {', '.join(sorted(supported))}")
     check_no_remote_code(raw, architecture, model_dir)
+    check_quantization(raw, model_dir)
     hf_config = read_hf_config(model_dir, raw)
     text_config = getattr(hf_config, "text_config", None) or hf_config
     for key, value in (overrides or {}).items():

@@ -45,6 +45,8 @@ class _Mapping:
         self.renames = getattr(model, "checkpoint_renames", ())
         self.ignored_prefixes = getattr(model, "ignored_checkpoint_prefixes", ())
         self.skip_lm_head = getattr(model, "tied_embeddings", False)
+        # Checkpoint tensors no parameter takes (and the model does not declare ignorable).
+        self.unconsumed: list[str] = []
 
     def expected_pieces(self) -> set:
         shards_of: dict[str, list] = {}
@@ -80,7 +82,7 @@ class _Mapping:
                 break
         param = self.params.get(target_name)
         if param is None:
-            logger.warning("ignoring checkpoint tensor %s: the model has no such parameter", checkpoint_name)
+            self.unconsumed.append(checkpoint_name)
             return set()
         loader = getattr(param, "weight_loader", _default_loader)
         loader(param, tensor) if shard is None else loader(param, tensor, shard)
@@ -103,6 +105,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             loaded |= mapping.load(name, tensor)
         except ValueError as e:
             raise ModelLoadError(f"checkpoint tensor {name}: {e}") from None
+    if mapping.unconsumed:
+        names = mapping.unconsumed
+        raise ModelLoadError(
+            f"the checkpoint holds {len(names)} tensor(s) that no parameter of {type(model).__name__} takes, e.g. "
+            f"{', '.join(names[:5])}: it is not the model met would build from its config (another variant, "
+            f"extra modules, or a quantized copy), and loading it anyway would run a different model")
     missing = mapping.expected_pieces() - loaded
     if missing:
         names = sorted(_describe(n, s) for n, s in missing)

@@ -131,3 +131,25 @@ def test_auto_map_never_runs_remote_code(checkpoint_factory, tmp_path):
     with pytest.raises(ModelLoadError, match="Evil"):
         LLM(path, device="cpu", num_kv_blocks=8)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("method", ["fp8", "awq", "gptq", "bitsandbytes", "something-new"])
+def test_quantized_checkpoint_is_refused_naming_the_method(checkpoint_factory, tmp_path, method):
+    path = copy_checkpoint(checkpoint_factory("llama"), tmp_path / "m")
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["quantization_config"] = {"quant_method": method, "weight_block_size": [128, 128]}
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(ModelLoadError, match=f"quantized with '{method}'.*supported: none yet"):
+        LLM(path, device="cpu", num_kv_blocks=8)
+
+
+def test_a_tensor_nothing_consumes_is_an_error(checkpoint_factory, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = copy_checkpoint(checkpoint_factory("llama"), tmp_path / "m")
+    weights_path = os.path.join(path, "model.safetensors")
+    tensors = load_file(weights_path)
+    tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(tensors, weights_path, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="1 tensor.*o_proj.weight_scale_inv"):
+        LLM(path, device="cpu", num_kv_blocks=8)
