@@ -152,21 +152,21 @@ class DefaultsShown(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class CommandParser(argparse.ArgumentParser):
+    """Every parser of `met` (subcommands are built with the parent's class): defaults shown in
+    the help, and --debug."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
+        self.add_argument("--debug", action="store_true", help="Print the traceback of startup errors too")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line. Building it imports nothing heavy (no torch, no transformers):
     `met --help` and `met serve --help` answer at once."""
-    parser = argparse.ArgumentParser(prog="met", description="met: LLM inference engine and OpenAI-compatible server",
-                                     formatter_class=DefaultsShown)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="Print the traceback of startup errors too")
-    parser.set_defaults(debug=False)
+    parser = CommandParser(prog="met", description="met: LLM inference engine and OpenAI-compatible server")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_parser = sub.add_parser
-
-    def add_parser(name, **kwargs):
-        return _add_parser(name, formatter_class=DefaultsShown, parents=[common], **kwargs)
-
-    sub.add_parser = add_parser
 
     gen = sub.add_parser("generate", help="complete one prompt and print the result")
     gen.add_argument("--prompt", required=True)
@@ -184,9 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks, each beside the hardware floor of its run")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    _add_bench = bench_sub.add_parser
-    bench_sub.add_parser = lambda name, **kwargs: _add_bench(name, formatter_class=DefaultsShown, parents=[common],
-                                                             **kwargs)
     from metrale.bench import latency, throughput
 
     for name, module in (("latency", latency), ("throughput", throughput)):

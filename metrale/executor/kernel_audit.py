@@ -157,10 +157,11 @@ def run_audited(report: KernelReport, steps) -> None:
                 raise
 
 
-def check_report(report: KernelReport) -> None:
-    """Startup fails on a variant that cannot be built, naming it."""
-    if report.unresolved:
-        names = "; ".join(f"{v.kernel} [{v.variant}]: {v.error}" for v in report.unresolved)
-        raise KernelBuildError(f"kernel audit: {len(report.unresolved)} Triton kernel variant(s) cannot be built "
-                               f"on this device: {names} (met serve --check-kernels lists them all; "
-                               f"--forward reference runs without them)")
+def build_error(report: KernelReport) -> KernelBuildError:
+    """The startup error naming the variants that cannot be built, carrying the whole report."""
+    names = "; ".join(f"{v.kernel} [{v.variant}]: {v.error}" for v in report.unresolved)
+    error = KernelBuildError(f"kernel audit: {len(report.unresolved)} Triton kernel variant(s) cannot be built "
+                             f"on this device: {names} (met serve --check-kernels lists them all; "
+                             f"--forward reference runs without them)")
+    error.report = report
+    return error

@@ -121,11 +121,6 @@ def kernel_path(path: str | None):
         _forced_path.reset(token)
 
 
-def reference_forward(on: bool = True):
-    """Within it, the PyTorch reference everywhere (on=False: the default rule)."""
-    return kernel_path("reference" if on else None)
-
-
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the dispatching kernel functions take the Triton path for `t`.
     CPU tensors use the reference, even under TRITON_INTERPRET=1, so CPU engine tests never pay
@@ -136,5 +131,5 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
-__all__ = ["HAS_TRITON", "triton", "tl", "interpret_mode", "triton_available", "use_triton", "reference_forward", "kernel_path", "pdl_args", "pdl_wait",
+__all__ = ["HAS_TRITON", "triton", "tl", "interpret_mode", "triton_available", "use_triton", "kernel_path", "pdl_args", "pdl_wait",
            "pdl_launch_dependents", "set_programmatic_launch", "programmatic_launch_supported", "num_sms"]

@@ -15,7 +15,7 @@ from metrale.config.model_config import ModelConfig
 from metrale.distributed.gather import gather_dicts
 from metrale.distributed.launch import ParallelRuntime
 from metrale.engine.engine import LLMEngine
-from metrale.executor.kernel_audit import KernelBuildError, check_report, kernel_audit, run_audited
+from metrale.executor.kernel_audit import build_error, kernel_audit, run_audited
 from metrale.executor.kernel_warmup import warm_up_steps
 from metrale.executor.memory_plan import MemoryPlan, fit_kv_blocks, rank_memory
 from metrale.executor.model_loader import build_model
@@ -153,18 +153,13 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
                 # is recorded and the others still run, so the report lists every failure
                 with runner.kernel_context(), torch.inference_mode():
                     run_audited(report, warm_up_steps(runner, plan.max_num_seqs))
-        except Exception as e:
+        except Exception as launch_error:
             if not report.unresolved:
                 raise
-            error = e
-        else:
-            error = None
+            raise build_error(report) from launch_error
+    if report.unresolved:  # a failed step whose error run_audited recorded and let pass
+        raise build_error(report)
     runner.kernel_report = report
-    try:
-        check_report(report)
-    except KernelBuildError as e:
-        e.report = report
-        raise e from error
     log.phase("kernel audit", f"forward {forward}: {report.summary()}")
     if log.enabled:
         logger.info("%s", plan.table())

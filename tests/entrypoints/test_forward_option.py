@@ -1,5 +1,5 @@
 """--forward graphs|eager|reference (issue 20): resolved per device, refused where it cannot run,
-and the PyTorch path of every layer under `reference` (kernels.reference_forward)."""
+and the PyTorch path of every layer under `reference` (kernels.kernel_path)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from metrale import LLM
 from metrale.config.engine_args import EngineArgs
 from metrale.config.errors import OptionError
-from metrale.kernels import reference_forward, use_triton
+from metrale.kernels import kernel_path, use_triton
 from metrale.startup.model_source import resolve_forward
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -51,7 +51,7 @@ def test_reference_forward_turns_every_dispatcher_to_pytorch():
     from metrale.kernels import HAS_TRITON
 
     assert use_triton(FakeCuda()) == HAS_TRITON
-    with reference_forward():
+    with kernel_path("reference"):
         assert not use_triton(FakeCuda())
     assert use_triton(FakeCuda()) == HAS_TRITON
 
