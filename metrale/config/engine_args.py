@@ -81,6 +81,14 @@ class EngineArgs:
     attention_backend: str = option("auto", "Attention implementation; auto: triton on CUDA, torch on CPU",
                                     choices=("auto", "torch", "triton"))
     enforce_eager: bool = option(False, "Never capture CUDA graphs (the same as --forward eager on CUDA)")
+    quantization: str | None = option(None, "Run the weights quantized: fp8 quantizes an unquantized checkpoint's "
+                                            "linear and expert weights to FP8 as they load (per output channel, in "
+                                            "groups of 128 inputs); a checkpoint's own quantization_config is read "
+                                            "without it (block FP8)")
+    activation_quantization: str = option("dynamic", "FP8 models: dynamic quantizes activations per token and "
+                                                     "group of 128 features for the FP8 GEMMs (W8A8); none keeps "
+                                                     "them in the model dtype (W8A16: exact to the dequantized "
+                                                     "weights, slower above batch 4)", choices=("dynamic", "none"))
     lm_head_dtype: str = option("auto", "Element type of the LM head's weight and of the logits; auto: the model "
                                         "dtype, as the reference system keeps it. float32 costs a float32 copy of "
                                         "the head (its own copy where the embeddings are tied)",
@@ -161,6 +169,11 @@ class EngineArgs:
         if self.fp8_kv_calibration_tokens < 0:
             raise ValueError(f"fp8_kv_calibration_tokens must be >= 0, got {self.fp8_kv_calibration_tokens}")
         kv_skip_layers(self.kv_cache_dtype_skip_layers)  # validates
+        if self.quantization in ("", "none"):
+            self.quantization = None
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization {self.quantization!r} is not supported; supported: fp8 (block FP8 "
+                             f"checkpoints load without it, from their quantization_config)")
         self.config_overrides  # validates
         if not self.structured_outputs_timeout > 0:
             raise ValueError(f"structured_outputs_timeout must be > 0, got {self.structured_outputs_timeout}")

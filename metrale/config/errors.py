@@ -13,6 +13,10 @@ class StartupError(Exception):
     """The engine cannot start; the message names the problem and the fix."""
 
 
+class ModelLoadError(StartupError, ValueError):
+    """The checkpoint cannot be used; the message names the problem."""
+
+
 class OptionError(StartupError, ValueError):
     """An option (an `EngineArgs` field or a flag) has a value that cannot work."""
 

@@ -9,16 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
-from metrale.config.errors import StartupError
+from metrale.config.errors import ModelLoadError
+from metrale.quantization.config import Fp8Config, resolve_quantization
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float": torch.float32, "half": torch.float16}
-
-
-class ModelLoadError(StartupError, ValueError):
-    """The checkpoint cannot be used; the message names the problem."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +31,7 @@ class ModelConfig:
     num_attention_heads: int
     num_kv_heads: int
     head_dim: int
+    quantization: Fp8Config | None = None  # FP8 weights (quantization/config.py), else the model dtype
 
 
 def read_config_json(model_dir: str) -> dict:
@@ -94,24 +92,6 @@ def check_no_remote_code(raw: dict, architecture: str, model_dir: str) -> None:
                     "implementation and none of that code", architecture)
 
 
-# quantization_config methods met loads (none yet: block FP8 is next).
-SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
-
-
-def check_quantization(raw: dict, model_dir: str) -> None:
-    """Refuse, before anything is loaded, a checkpoint quantized with a method met does not
-    implement: its packed weights and scales would otherwise load as garbage."""
-    config = raw.get("quantization_config")
-    if not config:
-        return
-    method = config.get("quant_method", "(no quant_method)") if isinstance(config, dict) else repr(config)
-    if method not in SUPPORTED_QUANTIZATION:
-        supported = ", ".join(SUPPORTED_QUANTIZATION) or "none yet"
-        raise ModelLoadError(f"{model_dir!r} is quantized with {method!r} (config.json quantization_config); met "
-                             f"does not load that method (supported: {supported}). Use the unquantized (bf16) "
-                             f"checkpoint of the model.")
-
-
 def read_hf_config(model_dir: str, raw: dict):
     """transformers' config object, never from the checkpoint's code."""
     from transformers import AutoConfig
@@ -133,9 +113,11 @@ def read_hf_config(model_dir: str, raw: dict):
 
 
 def load_model_config(model_dir: str, dtype: str, device: torch.device,
-                      max_model_len: int | None, supported: dict, overrides: dict | None = None) -> ModelConfig:
+                      max_model_len: int | None, supported: dict, overrides: dict | None = None,
+                      quantization: str | None = None, activation_quantization: str = "dynamic") -> ModelConfig:
     """Read config.json, apply `overrides` (fields of config.json, `--hf-overrides`), check the
-    architecture against `supported`, and derive the sizes."""
+    architecture against `supported` and the quantized format (config.json's quantization_config,
+    `--quantization`), and derive the sizes."""
     raw = read_config_json(model_dir)
     architectures = raw.get("architectures") or []
     architecture = next((a for a in architectures if a in supported), None)
@@ -144,7 +126,7 @@ def load_model_config(model_dir: str, dtype: str, device: torch.device,
             f"model architecture {architectures or '(none given)'} is not supported; "
             f"supported architectures: {', '.join(sorted(supported))}")
     check_no_remote_code(raw, architecture, model_dir)
-    check_quantization(raw, model_dir)
+    quantized = resolve_quantization(raw.get("quantization_config"), quantization, activation_quantization, model_dir)
     hf_config = read_hf_config(model_dir, raw)
     text_config = getattr(hf_config, "text_config", None) or hf_config
     for key, value in (overrides or {}).items():
@@ -164,4 +146,5 @@ def load_model_config(model_dir: str, dtype: str, device: torch.device,
         dtype=resolve_dtype(dtype, text_config, device), max_model_len=max_model_len,
         vocab_size=text_config.vocab_size, hidden_size=text_config.hidden_size,
         num_layers=text_config.num_hidden_layers, num_attention_heads=heads,
-        num_kv_heads=getattr(text_config, "num_key_value_heads", None) or heads, head_dim=head_dim)
+        num_kv_heads=getattr(text_config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        quantization=quantized)

@@ -3,6 +3,10 @@
 Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this rank's
 slice of a checkpoint tensor into it. Column-parallel layers split the output dimension, row-
 parallel ones the input dimension and all-reduce their output; models never branch on TP size.
+
+A layer may hold its weight in FP8 (`quantization/fp8_layers.py` sets `fp8` and adds the weight
+scales): the loaders are the same, since they only move rows and columns, and scales are loaded
+one row per weight row through them.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from torch import nn
 
 from metrale.distributed.parallel_state import get_tp_group
 from metrale.kernels.gemv import gemv
+from metrale.layers.deferred_weights import new_weight
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -28,12 +33,16 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
 
 
 class LinearBase(nn.Module):
+    # Whether quantization may store this layer's weight in FP8 (routers stay in the model dtype).
+    quantizable = True
+
     def __init__(self, input_size: int, output_size: int, bias: bool):
         super().__init__()
         self.tp = get_tp_group()
         self.input_size, self.output_size = input_size, output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight = new_weight(output_size, input_size)
         self.weight.weight_loader = self.weight_loader
+        self.fp8 = None  # an Fp8Linear (quantization/fp8_layers.py) when the weight is FP8
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -43,10 +52,19 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_checked(param, loaded, type(self).__name__)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8.matmul(self, x, bias)
         # One token (batch-1 decode) reads the weight once: on CUDA the Triton GEMV beats cuBLAS
         # on every projection of Qwen3-8B at one row (benchmarks/gemv_bench.py). Else F.linear.
-        return gemv(x, self.weight, self.bias) if _one_row(x) else F.linear(x, self.weight, self.bias)
+        return gemv(x, self.weight, bias) if _one_row(x) else F.linear(x, self.weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def process_weights_after_loading(self) -> None:
+        if self.fp8 is not None:
+            self.fp8.finish_loading(self)
 
 
 def _one_row(x: torch.Tensor) -> bool:
@@ -54,7 +72,11 @@ def _one_row(x: torch.Tensor) -> bool:
 
 
 class ReplicatedLinear(LinearBase):
-    pass
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quantizable: bool = True):
+        """`quantizable=False`: a router or gate, kept in the model dtype under quantization (as
+        vLLM and the published FP8 checkpoints keep them)."""
+        super().__init__(input_size, output_size, bias)
+        self.quantizable = quantizable
 
 
 class ColumnParallelLinear(LinearBase):
@@ -164,6 +186,5 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param, loaded.narrow(1, self.tp.rank * cols, cols), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = gemv(x, self.weight) if _one_row(x) else F.linear(x, self.weight)  # as LinearBase.forward
-        y = self.tp.all_reduce(y)
+        y = self.tp.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias

@@ -5,7 +5,8 @@ replacements, e.g. MiniMax's `block_sparse_moe` -> `mlp`); its `stacked_params` 
 qkv_proj, gate/up into gate_up_proj); and MoE expert tensors (per expert or stacked by
 transformers) into a FusedMoE layer's `w13` / `w2`. Each parameter's `weight_loader` takes this
 rank's slice. A piece the model needs but the checkpoint lacks is an error that names it, down
-to the shard and the expert. Once every tensor is in, each module that defines
+to the shard and the expert. FP8 weights and their `weight_scale_inv` load as pairs
+(loader/fp8_pairs.py). Once every tensor is in, each module that defines
 `process_weights_after_loading()` re-lays out or derives what it computes from (a post-load hook:
 Gated DeltaNet's float32 decay rates; MLA's absorbed projections and quantized layouts next).
 """
@@ -22,6 +23,7 @@ from torch import nn
 from metrale.config.model_config import ModelLoadError
 from metrale.layers.moe.layer import FusedMoE
 from metrale.layers.moe.loading import expert_pieces, expert_target
+from metrale.loader.fp8_pairs import SCALE_SUFFIX, Fp8Pairs
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +39,18 @@ def _default_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) ->
 class _Mapping:
     """Where a model's parameters come from, and which pieces a complete checkpoint supplies."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, quantize_unquantized: bool = False):
         self.params = dict(model.named_parameters())
-        self.moe = {f"{prefix}.{p}": layer for prefix, layer in model.named_modules()
-                    if isinstance(layer, FusedMoE) for p in ("w13", "w2")}
+        # FusedMoE parameters -> (layer, "w13" or "w2"): the weights and their FP8 scales.
+        self.moe = {f"{prefix}.{p}{suffix}": (layer, p) for prefix, layer in model.named_modules()
+                    if isinstance(layer, FusedMoE) for p in ("w13", "w2") for suffix in ("", "_weight" + SCALE_SUFFIX)
+                    if f"{prefix}.{p}{suffix}" in self.params}
         self.stacked = getattr(model, "stacked_params", [])
         self.renames = getattr(model, "checkpoint_renames", ())
         self.ignored_prefixes = getattr(model, "ignored_checkpoint_prefixes", ())
         self.skip_lm_head = getattr(model, "tied_embeddings", False)
+        config = getattr(model, "config", None)
+        self.fp8 = Fp8Pairs(self, getattr(config, "quantization", None), quantize_unquantized)
         # Checkpoint tensors no parameter takes (and the model does not declare ignorable).
         self.unconsumed: list[str] = []
 
@@ -55,38 +61,53 @@ class _Mapping:
         expected = set()
         for name in self.params:
             if name in self.moe:
-                expected |= expert_pieces(name, self.moe[name], "w2" if name.endswith(".w2") else "w13", None)
+                layer, kind = self.moe[name]
+                expected |= expert_pieces(name, layer, kind, None)
                 continue
             module_name = name.rsplit(".", 2)[-2] if "." in name else name
             expected |= {(name, shard) for shard in shards_of.get(module_name, [None])}
         return expected
 
     def load(self, checkpoint_name: str, tensor: torch.Tensor) -> set:
-        """Copy one checkpoint tensor in; returns the pieces it supplied."""
+        """Copy one checkpoint tensor in; returns the pieces it supplied (an FP8 weight or scale
+        may wait for its partner and supply them later)."""
         name = checkpoint_name
         for theirs, ours in self.renames:
             name = name.replace(theirs, ours)
         if (name.endswith(_IGNORED_SUFFIXES) or name.startswith(self.ignored_prefixes)
                 or (self.skip_lm_head and name.startswith("lm_head."))):
             return set()
+        if name.endswith(SCALE_SUFFIX):
+            return self.fp8.take_scale(checkpoint_name, name, tensor)
+        target = self.resolve(name)
+        if target is None:
+            self.unconsumed.append(checkpoint_name)
+            return set()
+        return self.fp8.take_weight(checkpoint_name, name, target, tensor)
+
+    def resolve(self, name: str) -> tuple[str, object] | None:
+        """Our parameter and shard (an expert's: (shard, expert)) of a checkpoint name, renamed."""
         target = expert_target(name)
         if target is not None and target[0] in self.moe:
             param_name, shard, expert = target
-            layer = self.moe[param_name]
-            layer.weight_loader(self.params[param_name], tensor, shard, expert)
-            return expert_pieces(param_name, layer, shard, expert)
-        target_name, shard = name, None
+            return param_name, shard if expert is None else (shard, expert)
         for ours, theirs, shard_id in self.stacked:
             if f".{theirs}." in name:
-                target_name, shard = name.replace(f".{theirs}.", f".{ours}."), shard_id
-                break
-        param = self.params.get(target_name)
-        if param is None:
-            self.unconsumed.append(checkpoint_name)
-            return set()
+                name = name.replace(f".{theirs}.", f".{ours}.")
+                return (name, shard_id) if name in self.params else None
+        return (name, None) if name in self.params else None
+
+    def put(self, param_name: str, shard, tensor: torch.Tensor) -> set:
+        """Copy `tensor` into our parameter's piece; returns the pieces supplied."""
+        param = self.params[param_name]
+        if param_name in self.moe:
+            layer, _ = self.moe[param_name]
+            shard_id, expert = shard if isinstance(shard, tuple) else (shard, None)
+            layer.weight_loader(param, tensor, shard_id, expert)
+            return expert_pieces(param_name, layer, shard_id, expert)
         loader = getattr(param, "weight_loader", _default_loader)
         loader(param, tensor) if shard is None else loader(param, tensor, shard)
-        return {(target_name, shard)}
+        return {(param_name, shard)}
 
 
 def _describe(name: str, shard) -> str:
@@ -95,8 +116,11 @@ def _describe(name: str, shard) -> str:
     return f"{name}[{shard}]" if shard is not None else name
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], progress=None) -> None:
-    mapping = _Mapping(model)
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], progress=None,
+                 quantize_unquantized: bool = False) -> None:
+    """`quantize_unquantized`: FP8 layers quantize high-precision tensors as they arrive (dummy
+    weights of a quantized config; `--quantization fp8` does so whatever this says)."""
+    mapping = _Mapping(model, quantize_unquantized)
     loaded: set = set()
     for name, tensor in weights:
         if progress is not None:
@@ -111,6 +135,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             f"the checkpoint holds {len(names)} tensor(s) that no parameter of {type(model).__name__} takes, e.g. "
             f"{', '.join(names[:5])}: it is not the model met would build from its config (another variant, "
             f"extra modules, or a quantized copy), and loading it anyway would run a different model")
+    mapping.fp8.check_complete()
     missing = mapping.expected_pieces() - loaded
     if missing:
         names = sorted(_describe(n, s) for n, s in missing)
@@ -151,5 +176,5 @@ def dummy_checkpoint(hf_config, device: torch.device, dtype: torch.dtype, seed: 
 def init_dummy_weights(model: nn.Module, hf_config, seed: int = 0) -> None:
     """Random weights of the right shapes and dtypes, drawn on the model's own device from
     `dummy_checkpoint`. For benchmarks: they cost the same time as real weights."""
-    param = next(model.parameters())
-    load_weights(model, dummy_checkpoint(hf_config, param.device, param.dtype, seed))
+    param = model.model.embed_tokens.weight if hasattr(model, "model") else next(model.parameters())
+    load_weights(model, dummy_checkpoint(hf_config, param.device, param.dtype, seed), quantize_unquantized=True)

@@ -71,7 +71,7 @@ class MiniMaxM2SparseBlock(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         hf = config.hf_config
-        self.gate = ReplicatedLinear(config.hidden_size, hf.num_local_experts, bias=False)
+        self.gate = ReplicatedLinear(config.hidden_size, hf.num_local_experts, bias=False, quantizable=False)
         self.experts = FusedMoE(hf.num_local_experts, hf.num_experts_per_tok, config.hidden_size,
                                 hf.intermediate_size, scoring="sigmoid", renormalize=True, use_correction_bias=True)
 

@@ -29,12 +29,12 @@ class Qwen3MoeSparseBlock(nn.Module):
         hf, hidden = config.hf_config, config.hidden_size
         if renormalize is None:
             renormalize = bool(getattr(hf, "norm_topk_prob", False))
-        self.gate = ReplicatedLinear(hidden, hf.num_experts, bias=False)
+        self.gate = ReplicatedLinear(hidden, hf.num_experts, bias=False, quantizable=False)
         self.experts = FusedMoE(hf.num_experts, hf.num_experts_per_tok, hidden, hf.moe_intermediate_size,
                                 scoring="softmax", renormalize=renormalize)
         shared = getattr(hf, "shared_expert_intermediate_size", 0) or 0
         self.shared_expert = GatedMLP(hidden, shared) if shared else None
-        self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False) if shared else None
+        self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False, quantizable=False) if shared else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.experts(hidden, self.gate(hidden))

@@ -18,20 +18,14 @@ from metrale.executor.memory_plan import (CPU_DEFAULT_KV_BYTES, CUDA_RUNTIME_OVE
                                           fit_kv_blocks, parameter_bytes)
 from metrale.executor.model_runner import ModelRunner
 from metrale.executor.startup_passes import attention_layers, calibrate_kv_scales, profile_activation_bytes
-from metrale.models.registry import get_model_class
+from metrale.executor.model_loader import construct_model
 
 logger = logging.getLogger(__name__)
 
 
 def build_meta_model(config: ModelConfig) -> torch.nn.Module:
     """The model on the meta device: its parameters' sizes and its cache specs, no memory."""
-    with torch.device("meta"):
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(config.dtype)
-        try:
-            return get_model_class(config.architecture)(config)
-        finally:
-            torch.set_default_dtype(previous)
+    return construct_model(config, torch.device("meta"))
 
 
 LM_HEAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -41,7 +41,7 @@ def read_model_config(args: EngineArgs, device: torch.device) -> ModelConfig:
     """The model directory `args` names and its config, with `--hf-overrides` applied."""
     model_dir = resolve_model_dir(args.model, args.load_format)
     return load_model_config(model_dir, args.dtype, device, args.max_model_len, supported_architectures(),
-                             args.config_overrides)
+                             args.config_overrides, args.quantization, args.activation_quantization)
 
 
 def load_tokenizer(args: EngineArgs, model_dir: str):

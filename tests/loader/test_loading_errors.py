@@ -133,13 +133,14 @@ def test_auto_map_never_runs_remote_code(checkpoint_factory, tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("method", ["fp8", "awq", "gptq", "bitsandbytes", "something-new"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "compressed-tensors", "something-new"])
 def test_quantized_checkpoint_is_refused_naming_the_method(checkpoint_factory, tmp_path, method):
     path = copy_checkpoint(checkpoint_factory("llama"), tmp_path / "m")
     config = json.load(open(os.path.join(path, "config.json")))
     config["quantization_config"] = {"quant_method": method, "weight_block_size": [128, 128]}
     json.dump(config, open(os.path.join(path, "config.json"), "w"))
-    with pytest.raises(ModelLoadError, match=f"quantized with '{method}'.*supported: none yet"):
+    with pytest.raises(ModelLoadError, match=f"quantized with '{method}'.*met loads these quantized formats: "
+                                             f"fine-grained block FP8"):
         LLM(path, device="cpu", num_kv_blocks=8)
 
 

@@ -11,6 +11,10 @@ replicated; softmax routing is one fused launch on CUDA); assignments to experts
 contribute zero and one all-reduce over the layout's group sums the partial outputs. On CUDA,
 decode-sized batches (up to kernels/moe_gemv.MAX_TOKENS tokens) take per-assignment GEMVs and
 larger ones the Triton grouped GEMM; other devices take the PyTorch loop.
+
+Under FP8 quantization (quantization/fp8_layers.py sets `fp8`) w13 and w2 are float8 with
+`w13_weight_scale_inv` / `w2_weight_scale_inv`; the same loader takes the scales, one row per
+weight row and one column per block of `column_unit` inputs.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 
 from metrale.kernels import use_triton
 from metrale.distributed.moe_layout import MoEParallelLayout, get_moe_layout
+from metrale.layers.deferred_weights import new_weight
 from metrale.layers.moe.reference import fused_experts_reference
 from metrale.layers.moe.routing import SCORING_FUNCTIONS, select_experts
 
@@ -47,9 +52,10 @@ class FusedMoE(nn.Module):
         self.inter_start, self.inter_end = self.layout.intermediate_slice(intermediate_size)
         num_local, local_inter = self.expert_end - self.expert_start, self.inter_end - self.inter_start
         self.local_intermediate = local_inter
-        self.w13 = nn.Parameter(torch.empty(num_local, 2 * local_inter, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, local_inter), requires_grad=False)
+        self.w13 = new_weight(num_local, 2 * local_inter, hidden_size)
+        self.w2 = new_weight(num_local, hidden_size, local_inter)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        self.fp8 = None  # an Fp8Experts (quantization/fp8_layers.py) when the experts are FP8
         if use_correction_bias:
             # Kept in float32 whatever the model dtype: it only ranks experts, and small gaps matter.
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
@@ -72,8 +78,9 @@ class FusedMoE(nn.Module):
         if expert_id is None:
             self._load_stacked(param, loaded, shard_id)
             return
+        unit = getattr(param, "column_unit", 1)  # a scale: one column per `unit` inputs
         full_i, hidden = self.intermediate_size, self.hidden_size
-        expected = (hidden, full_i) if shard_id == "w2" else (full_i, hidden)
+        expected = (hidden, -(-full_i // unit)) if shard_id == "w2" else (full_i, -(-hidden // unit))
         if shard_id not in ("w1", "w3", "w2"):
             raise ValueError(f"unknown expert shard {shard_id!r}")
         if tuple(loaded.shape) != expected:
@@ -85,7 +92,7 @@ class FusedMoE(nn.Module):
             return
         local, size = expert_id - self.expert_start, self.local_intermediate
         if shard_id == "w2":
-            param.data[local].copy_(loaded.narrow(1, self.inter_start, size))
+            param.data[local].copy_(loaded.narrow(1, self.inter_start // unit, param.shape[2]))
         else:
             offset = 0 if shard_id == "w1" else size
             param.data[local].narrow(0, offset, size).copy_(loaded.narrow(0, self.inter_start, size))
@@ -104,6 +111,10 @@ class FusedMoE(nn.Module):
                 self.weight_loader(param, loaded[expert, :full_i], "w1", expert)
                 self.weight_loader(param, loaded[expert, full_i:], "w3", expert)
 
+    def process_weights_after_loading(self) -> None:
+        if self.fp8 is not None:
+            self.fp8.finish_loading(self)
+
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # transformers rounds softmax routing weights to the model dtype; sigmoid ones stay float32.
         dtype = router_logits.dtype if self.scoring == "softmax" else torch.float32
@@ -113,16 +124,21 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], router_logits [T, num_experts] -> [T, H], summed over the layout's ranks."""
         topk_weights, topk_ids = self.route(router_logits)
-        if use_triton(hidden):
-            from metrale.kernels.moe_gemv import fused_experts_small_batch_triton, use_small_batch
-            from metrale.layers.moe.triton_moe import fused_experts_triton
-
-            # Decode-sized batches: per-assignment GEMVs; larger ones: the grouped GEMM.
-            experts = fused_experts_small_batch_triton if use_small_batch(hidden.shape[0], self.local_intermediate) else fused_experts_triton
+        if self.fp8 is not None:
+            out = self.fp8.experts(self, hidden, topk_weights, topk_ids)
         else:
-            experts = fused_experts_reference
-        out = experts(hidden, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)
+            out = self._experts(hidden)(hidden, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)
         return self.layout.reduce_group.all_reduce(out) if self.reduce_results else out
+
+    def _experts(self, hidden: torch.Tensor):
+        if not use_triton(hidden):
+            return fused_experts_reference
+        from metrale.kernels.moe_gemv import fused_experts_small_batch_triton, use_small_batch
+        from metrale.layers.moe.triton_moe import fused_experts_triton
+
+        # Decode-sized batches: per-assignment GEMVs; larger ones: the grouped GEMM.
+        small = use_small_batch(hidden.shape[0], self.local_intermediate)
+        return fused_experts_small_batch_triton if small else fused_experts_triton
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts} (local {self.expert_start}..{self.expert_end - 1}), top_k={self.top_k}, "

@@ -1,0 +1,123 @@
+"""Give a model built under `deferred_weights()` its real weights: FP8 where the quantization
+config and the layer allow it, the model dtype elsewhere.
+
+A linear layer is FP8 when it is `quantizable` (routers and gates are not) and at least one of
+its checkpoint pieces is not listed unquantized (`modules_to_not_convert`); a merged projection
+whose other pieces are listed has those quantized as they load (quantization/on_load.py).
+Expert layers are FP8 unless their module is listed.
+
+Tensor parallelism: a shard that cuts a block of the input features (a row-parallel layer's
+columns, an expert's intermediate slice) is refused, naming the tp sizes that keep blocks
+whole. Output rows may split anywhere: scales load one row per weight row (scales.py), so any
+row split is exact; a layer whose split cuts its blocks keeps per-row scales, and a line in the
+log says which tp sizes would not.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from metrale.distributed.topology import TopologyError
+from metrale.layers.deferred_weights import is_deferred
+from metrale.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
+from metrale.layers.moe.layer import FusedMoE
+from metrale.quantization.config import Fp8Config
+from metrale.quantization.fp8_layers import Fp8Experts, Fp8Linear, fp8_parameter, scale_parameter
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_module_names(model: nn.Module, module_name: str) -> list[str]:
+    """The checkpoint's names of the projections our module holds: renames undone, stacked
+    pieces (qkv_proj -> q_proj, k_proj, v_proj) listed."""
+    name = f"{module_name}."
+    for theirs, ours in reversed(getattr(model, "checkpoint_renames", ())):
+        name = name.replace(ours, theirs)
+    name = name[:-1]
+    parent, _, leaf = name.rpartition(".")
+    pieces = [theirs for ours, theirs, _ in getattr(model, "stacked_params", []) if ours == leaf]
+    return [f"{parent}.{piece}" if parent else piece for piece in pieces] or [name]
+
+
+def working_tp_sizes(features: int, block: int, limit: int = 16) -> list[int]:
+    return [t for t in range(1, limit + 1) if features % t == 0 and (t == 1 or (features // t) % block == 0)]
+
+
+def _check_input_split(what: str, full: int, tp: int, block_k: int) -> None:
+    if tp > 1 and (full // tp) % block_k:
+        sizes = ", ".join(map(str, working_tp_sizes(full, block_k)))
+        raise TopologyError(f"{what}: its {full} input features split over {tp} ranks into {full // tp} per rank, "
+                            f"which cuts the checkpoint's {block_k}-wide FP8 scale blocks; tp sizes that keep "
+                            f"them whole: {sizes}")
+
+
+def _output_segments(layer: LinearBase) -> list[int]:
+    """Per-rank row counts of the checkpoint pieces a column-parallel layer stacks."""
+    if hasattr(layer, "output_sizes"):
+        return [size // layer.tp.size for size in layer.output_sizes]
+    if hasattr(layer, "q_size"):
+        return [layer.q_size, layer.kv_size, layer.kv_size]
+    return [layer.output_size]
+
+
+def _note_output_split(name: str, layer: LinearBase, block_n: int) -> None:
+    if layer.tp.size > 1 and isinstance(layer, ColumnParallelLinear):
+        cut = [rows for rows in _output_segments(layer) if rows % block_n]
+        if cut:
+            logger.info("%s: tp=%d splits its output rows through %d-row FP8 blocks (%s rows per rank): its scales "
+                        "stay one per row", name, layer.tp.size, block_n, "/".join(map(str, cut)))
+
+
+def _linear_to_fp8(name: str, layer: LinearBase, config: Fp8Config, device) -> None:
+    if isinstance(layer, RowParallelLinear):
+        _check_input_split(name, layer.input_size * layer.tp.size, layer.tp.size, config.block_k)
+    _note_output_split(name, layer, config.block_n)
+    old = layer.weight
+    layer.weight = fp8_parameter(*old.shape, device=device, like=old)
+    layer.weight_scale_inv = scale_parameter(*old.shape, block_k=config.block_k, device=device,
+                                             loader=layer.weight.weight_loader)
+    layer.fp8 = Fp8Linear(config.block_n, config.block_k, config.activation_group)
+
+
+def _experts_to_fp8(name: str, layer: FusedMoE, config: Fp8Config, device) -> None:
+    tp = layer.layout.tp_size
+    _check_input_split(f"{name} (down_proj)", layer.intermediate_size, tp, config.block_k)
+    for param_name in ("w13", "w2"):
+        old = getattr(layer, param_name)
+        setattr(layer, param_name, fp8_parameter(*old.shape, device=device, like=old))
+        setattr(layer, f"{param_name}_weight_scale_inv",
+                scale_parameter(*old.shape, block_k=config.block_k, device=device, loader=layer.weight_loader))
+    layer.fp8 = Fp8Experts(config.block_n, config.block_k, config.activation_group)
+
+
+def _materialize(module: nn.Module, param_name: str, device, dtype: torch.dtype) -> None:
+    old = getattr(module, param_name)
+    param = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=device), requires_grad=False)
+    if hasattr(old, "weight_loader"):
+        param.weight_loader = old.weight_loader
+    setattr(module, param_name, param)
+
+
+def quantize_model(model: nn.Module, config: Fp8Config | None, device: torch.device, dtype: torch.dtype) -> int:
+    """Allocate every deferred weight on `device`: FP8 per `config`, else in `dtype`. Returns how
+    many layers are FP8."""
+    converted = 0
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase) and is_deferred(module.weight):
+            pieces = checkpoint_module_names(model, name)
+            if config is not None and module.quantizable and not all(config.skips(p) for p in pieces):
+                _linear_to_fp8(name, module, config, device)
+                converted += 1
+            else:
+                _materialize(module, "weight", device, dtype)
+        elif isinstance(module, FusedMoE) and is_deferred(module.w13):
+            if config is not None and not config.skips(checkpoint_module_names(model, name)[0]):
+                _experts_to_fp8(name, module, config, device)
+                converted += 1
+            else:
+                _materialize(module, "w13", device, dtype)
+                _materialize(module, "w2", device, dtype)
+    return converted
