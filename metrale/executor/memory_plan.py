@@ -57,6 +57,7 @@ class MemoryPlan:
     max_num_seqs: int = 0
     num_checkpoint_slots: int = 0
     cache_summary: list[str] = field(default_factory=list)  # CacheLayout.summary()
+    weight_format: str = ""  # e.g. the FP8 layout (quantization/config.py describe()); "" for the model dtype
     notes: list[str] = field(default_factory=list)
     host_baseline_bytes: int | None = None  # resident host memory before any backend existed (startup)
     # Above one rank: every rank's rank_memory() and host memory at the end of startup, by rank.
@@ -99,7 +100,7 @@ class MemoryPlan:
         rows = [
             ("device", f"{self.device}, {self.device_total_bytes / GiB:.1f} GiB"),
             ("budget", f"{self.budget_bytes / GiB:.2f} GiB"),
-            ("weights", f"{self.weight_bytes / GiB:.2f} GiB"),
+            ("weights", f"{self.weight_bytes / GiB:.2f} GiB" + (f" ({self.weight_format})" if self.weight_format else "")),
             ("activation reserve", f"{self.activation_reserve_bytes / GiB:.2f} GiB "
                                    f"({'measured' if self.activation_measured else 'estimated'})"),
             ("runtime overhead", f"{self.runtime_overhead_bytes / GiB:.2f} GiB"),

@@ -111,9 +111,6 @@ def resolve_quantization(quantization_config: dict | None, requested: str | None
         if method not in SUPPORTED_METHODS:
             raise _refuse(model_dir, f"the checkpoint is quantized with {method!r} (config.json "
                                      f"quantization_config), which met does not load")
-        if requested not in (None, "", method):
-            raise QuantizationError(f"--quantization {requested!r} does not match the checkpoint's "
-                                    f"quantization_config method {method!r}")
         return _checkpoint_fp8(quantization_config, model_dir, dynamic)
     if requested in (None, "", "none"):
         return None

@@ -62,7 +62,8 @@ def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
     return MemoryPlan(device.type, total, budget, weights, activation, False, layout.bytes_per_token,
                       args.block_size, config.max_model_len, args.max_num_seqs, runtime_overhead_bytes=overhead,
                       state_bytes_per_slot=layout.bytes_per_slot, requested_checkpoint_slots=checkpoints,
-                      cache_summary=layout.summary())
+                      cache_summary=layout.summary(),
+                      weight_format=config.quantization.describe() if config.quantization is not None else "")
 
 
 def measure_on_cuda(plan: MemoryPlan, runner: ModelRunner, args: EngineArgs, device: torch.device) -> None:
