@@ -17,6 +17,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from metrale.kernels import causal_conv1d as CV
+from metrale.kernels import fp8_gemm as FG
+from metrale.kernels import fp8_gemv as FV
+from metrale.kernels import fp8_quant as FQ
 from metrale.kernels import gated_delta_rule as GD
 from metrale.kernels import gated_delta_step as GS
 from metrale.kernels import gemv as G
@@ -60,6 +63,34 @@ KERNELS = {
         "stride_xm": INT, "stride_wn": INT, "stride_ym": INT},
         {"M": 1, "HAS_BIAS": False, "EVEN_K": True, "BLOCK_N": 1, "BLOCK_K": 4096, "VEC": 8, "NUM_STAGES": 1,
          "PREFETCH": True, "PDL": True}, 8),
+    # The FP8 linear of Qwen3-8B-FP8 ([128, 128] blocks, bf16 x): the decode GEMV at its M = 1 and
+    # N > 8192, M = 4 configs (fp8_gemv_config), the activation quantization, and the block-scaled
+    # GEMM at the small-M and large-M rows of both fp8_gemm_config tables (num_stages is the
+    # compiler's default here: the ring's depth is not compiled)
+    **{f"fp8_gemv._fp8_gemv_kernel[M={m}]": (FV._fp8_gemv_kernel, {
+        "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": F32, "b_ptr": "*bf16", "y_ptr": "*bf16",
+        **{name: INT for name in ("N", "K", "group_n", "group_k", "stride_xm", "stride_wn", "stride_sn",
+                                  "stride_ym")}},
+        {"M": m, "HAS_BIAS": False, "EVEN_K": True, "BLOCK_N": block_n, "BLOCK_K": block_k, "VEC": 16,
+         "NUM_STAGES": stages, "PREFETCH": True, "PDL": True}, warps)
+       for m, block_n, block_k, warps, stages in ((1, 2, 4096, 8, 1), (4, 4, 2048, 4, 3))},
+    "fp8_quant._quantize_kernel": (FQ._quantize_kernel, {
+        "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": F32,
+        **{name: INT for name in ("K", "group_size", "num_groups", "stride_xm", "stride_qm", "stride_sm")}},
+        {"BLOCK_GROUPS": 16, "BLOCK_G": 128, "ROUND_IN_FP32": False, "PDL": True}, 4),
+    **{f"fp8_gemm._fp8_gemm_kernel[{'W8A8' if w8a8 else 'W8A16'},{scales},BLOCK_M={bm}]": (FG._fp8_gemm_kernel, {
+        "x_ptr": "*fp8e4nv" if w8a8 else "*bf16", "xs_ptr": F32, "w_ptr": "*fp8e4nv", "ws_ptr": F32,
+        "b_ptr": "*bf16", "y_ptr": "*bf16",
+        **{name: INT for name in ("M", "N", "K", "group_n", "group_k", "act_group", "stride_xm", "stride_xsm",
+                                  "stride_wn", "stride_wsn", "stride_ym")}},
+        {"W8A8": w8a8, "WS_TILE": scales == "tile", "WS_CHANNEL": scales == "channel", "HAS_BIAS": True,
+         "UPCAST": False, "IEEE_FP32": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm,
+         "PDL": True}, warps)
+       # weight scales: "tile" ([128, 128] blocks), "channel" (--quantization fp8), "column" (group_n = 1)
+       for w8a8, scales, bm, bn, bk, gm, warps in (
+           (True, "tile", 16, 64, 128, 1, 4), (True, "tile", 128, 128, 128, 8, 8),
+           (True, "channel", 128, 128, 128, 8, 8), (True, "column", 128, 128, 128, 8, 8),
+           (False, "tile", 16, 64, 128, 1, 4), (False, "tile", 128, 128, 64, 8, 8))},
     # The small-batch MoE GEMVs (moe_gemv_config): Qwen3-Next-80B-A3B's routed experts (hidden 2048,
     # expert intermediate 512, top-10, bf16 routing weights) and Qwen3-30B-A3B's down (768, top-8)
     "moe_gemv._gate_up_kernel": (MG._gate_up_kernel, {
@@ -153,7 +184,9 @@ ALIGNED_INTS = {"stride_qs", "stride_qh", "stride_os", "stride_oh", "stride_cb",
                 "channels", "stride_x", "stride_out", "stride_ss", "stride_sw", "stride_sh", "stride_qn",
                 "stride_kn", "stride_vn", "stride_on", "stride_ot",
                 # the small-batch MoE GEMVs: hidden and intermediate sizes, expert and row strides
-                "hidden_size", "inter_size", "stride_we", "stride_am", "stride_om"}
+                "hidden_size", "inter_size", "stride_we", "stride_am", "stride_om",
+                # the FP8 linear: activation groups of 128, K / 128 scale columns, q rows
+                "group_size", "act_group", "stride_qm", "stride_sm", "stride_xsm", "stride_wsn"}
 
 
 def _launch_attrs(kernel, types: dict) -> dict:
