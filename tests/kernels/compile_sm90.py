@@ -17,6 +17,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from metrale.kernels import causal_conv1d as CV
+from metrale.kernels import fp8_moe_gemm as FM
+from metrale.kernels import fp8_moe_gemv as FMV
 from metrale.kernels import fp8_gemm as FG
 from metrale.kernels import fp8_gemv as FV
 from metrale.kernels import fp8_quant as FQ
@@ -105,6 +107,40 @@ KERNELS = {
         {"TOP_K": top_k, "BLOCK_E": block_e, "BLOCK_N": 1, "BLOCK_K": block_k, "VEC": 8, "EVEN_K": True,
          "PREFETCH": True, "PDL": True}, 4)
        for inter, top_k, block_e, block_k in ((512, 10, 16, 512), (768, 8, 8, 256))},
+    # The FP8 MoE experts of Qwen3-30B-A3B-FP8 (128 experts, top-8, hidden 2048, expert intermediate
+    # 768, [128, 128] blocks, bf16 activations): the grouped GEMM at the tiles of fp8_moe_gemm_config,
+    # W8A8 and W8A16, with scalar scales per N tile ("tile") and per-column ones (group_n = 1,
+    # "column"); GEMM 2's fused silu * up quantization; the small-batch GEMVs (fp8_moe_gemv_config)
+    **{f"fp8_moe_gemm._fp8_grouped_gemm_kernel[{'W8A8' if a_fp8 else 'W8A16'},{scales},BLOCK_M={bm}]": (
+        FM._fp8_grouped_gemm_kernel, {
+            "a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "a_scale_ptr": F32, "w_ptr": "*fp8e4nv", "w_scale_ptr": F32,
+            "c_ptr": "*bf16", "weight_ptr": F32, "sorted_ids_ptr": I32, "block_expert_ptr": I32,
+            **{name: INT for name in ("N", "K", "num_assign", "a_row_divisor", "group_n", "group_k", "a_group",
+                                      "stride_am", "stride_asm", "stride_we", "stride_wn", "stride_se", "stride_sn",
+                                      "stride_cm")}},
+        {"A_FP8": a_fp8, "W_SCALE_TILE": scales == "tile", "MUL_WEIGHT": True, "F32_DOT": False, "BLOCK_M": bm,
+         "BLOCK_N": bn, "BLOCK_K": 128}, warps)
+       for a_fp8, scales, bm, bn, warps in (
+           (True, "tile", 16, 64, 4), (True, "tile", 64, 128, 4), (True, "tile", 128, 128, 8),
+           (True, "column", 64, 128, 4), (False, "tile", 16, 64, 4), (False, "tile", 128, 128, 8),
+           (False, "column", 64, 128, 4))},
+    "fp8_moe_gemm._silu_mul_quant_kernel": (FM._silu_mul_quant_kernel, {
+        "x_ptr": "*bf16", "ids_ptr": I64, "q_ptr": "*fp8e4nv", "s_ptr": F32,
+        **{name: INT for name in ("d", "group", "num_groups", "expert_start", "num_local", "stride_x", "stride_q",
+                                  "stride_s")}},
+        {"BLOCK_G": 8, "GROUP": 128, "ROUND_IN_FP32": False}, 4),
+    "fp8_moe_gemv._gate_up_kernel": (FMV._gate_up_kernel, {
+        "x_ptr": "*bf16", "w13_ptr": "*fp8e4nv", "s13_ptr": F32, "ids_ptr": I64, "act_ptr": "*bf16",
+        **{name: INT for name in ("hidden_size", "inter_size", "expert_start", "num_local", "group_n", "group_k",
+                                  "stride_xm", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_am")}},
+        {"TOP_K": 8, "BLOCK_I": 1, "BLOCK_K": 2048, "VEC": 16, "EVEN_K": True, "PDL": True}, 4),
+    "fp8_moe_gemv._down_kernel": (FMV._down_kernel, {
+        "act_ptr": "*bf16", "w2_ptr": "*fp8e4nv", "s2_ptr": F32, "ids_ptr": I64, "weights_ptr": "*bf16",
+        "out_ptr": "*bf16",
+        **{name: INT for name in ("hidden_size", "inter_size", "expert_start", "num_local", "group_n", "group_k",
+                                  "stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_om")}},
+        {"TOP_K": 8, "BLOCK_E": 8, "BLOCK_N": 1, "BLOCK_K": 256, "VEC": 16, "EVEN_K": True, "PREFETCH": True,
+         "PDL": True}, 4),
     # Qwen3-Next-80B-A3B's router: softmax top-10 of 512 experts, renormalised
     "moe_routing._softmax_topk_kernel": (MR._softmax_topk_kernel, {
         "logits_ptr": "*bf16", "weights_ptr": F32, "ids_ptr": I64, "n_rows": INT, "num_experts": INT,
@@ -183,6 +219,8 @@ ALIGNED_INTS = {"stride_qs", "stride_qh", "stride_os", "stride_oh", "stride_cb",
                 # the Gated DeltaNet kernels: conv rows and channels, state slots and heads, q/k/v rows
                 "channels", "stride_x", "stride_out", "stride_ss", "stride_sw", "stride_sh", "stride_qn",
                 "stride_kn", "stride_vn", "stride_on", "stride_ot",
+                # the FP8 MoE kernels: expert strides of the scales, C rows, quantized activation rows
+                "stride_se", "stride_cm", "stride_q",
                 # the small-batch MoE GEMVs: hidden and intermediate sizes, expert and row strides
                 "hidden_size", "inter_size", "stride_we", "stride_am", "stride_om",
                 # the FP8 linear: activation groups of 128, K / 128 scale columns, q rows
