@@ -12,7 +12,7 @@ import shutil
 
 import torch
 
-from metrale.quantization.fp8_math import dequantize_weight, quantize_weight
+from metrale.kernels.fp8_math import dequantize_weight, quantize_weight
 
 _KEEP = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "block_sparse_moe.gate.", "shared_expert_gate", "conv1d")
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from metrale.config.errors import ModelLoadError
-from metrale.quantization.config import Fp8Config, resolve_quantization
+from metrale.config.quantization import Fp8Config, resolve_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class ModelConfig:
     num_attention_heads: int
     num_kv_heads: int
     head_dim: int
-    quantization: Fp8Config | None = None  # FP8 weights (quantization/config.py), else the model dtype
+    quantization: Fp8Config | None = None  # FP8 weights (config/quantization.py), else the model dtype
 
 
 def read_config_json(model_dir: str) -> dict:

@@ -57,7 +57,7 @@ class MemoryPlan:
     max_num_seqs: int = 0
     num_checkpoint_slots: int = 0
     cache_summary: list[str] = field(default_factory=list)  # CacheLayout.summary()
-    weight_format: str = ""  # e.g. the FP8 layout (quantization/config.py describe()); "" for the model dtype
+    weight_format: str = ""  # e.g. the FP8 layout (config/quantization.py describe()); "" for the model dtype
     notes: list[str] = field(default_factory=list)
     host_baseline_bytes: int | None = None  # resident host memory before any backend existed (startup)
     # Above one rank: every rank's rank_memory() and host memory at the end of startup, by rank.

@@ -13,7 +13,7 @@ from metrale.loader.safetensors_loader import count_tensors, iterate_tensors
 from metrale.layers.deferred_weights import deferred_weights
 from metrale.loader.weights import init_dummy_weights, load_weights
 from metrale.models.registry import get_model_class
-from metrale.quantization.apply import quantize_model
+from metrale.layers.quantization.apply import quantize_model
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """Block-scaled FP8 GEMM: y = x @ W^T (+ bias) with W stored as float8_e4m3fn and group scales.
 
-Weights follow `quantization/fp8_math.py`: weight float8_e4m3fn [N, K] with float32 scales
+Weights follow `kernels/fp8_math.py`: weight float8_e4m3fn [N, K] with float32 scales
 [ceil(N / group_n), ceil(K / group_k)], W[n, k] = weight[n, k] * weight_scale[n // group_n,
 k // group_k]. One kernel, two variants (the W8A8 constexpr):
 
@@ -54,7 +54,7 @@ from typing import NamedTuple
 import torch
 
 from metrale.kernels import interpret_mode, pdl_args, pdl_wait, tl, triton
-from metrale.quantization import fp8_math
+from metrale.kernels import fp8_math
 
 # An H100/H200 SXM; the constant (rather than the device's count) keeps the config a function
 # of the shapes alone.

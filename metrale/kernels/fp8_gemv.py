@@ -4,7 +4,7 @@ The FP8 counterpart of `gemv.py` (same design, same determinism) for batch-1..4 
 a linear layer is bound by reading its weight once from HBM: an fp8 weight halves those bytes,
 and x is not quantized (W8A16), so no quantization kernel runs before it. Contract:
   * weight float8_e4m3fn [N, K] with contiguous rows, weight_scale float32 [ceil(N / group_n),
-    ceil(K / group_k)] (`quantization/fp8_math.py`); group_n any positive size, group_k a
+    ceil(K / group_k)] (`kernels/fp8_math.py`); group_n any positive size, group_k a
     multiple of 16 or >= K. x [M, K] bf16/fp16/fp32 (rows may be strided, last dim
     contiguous), bias [N] or None. y [M, N] is a new tensor of x's dtype.
   * Products and sums are in fp32: each thread multiplies one 16-byte weight vector (16 fp8
@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 
 from metrale.kernels import pdl_args, pdl_wait, tl, triton
-from metrale.quantization import fp8_math
+from metrale.kernels import fp8_math
 
 MAX_M = 4
 VEC = 16  # fp8 elements per 16-byte load

@@ -3,7 +3,7 @@
     fp8_linear(x [..., K], weight [N, K], weight_scale, group_n, group_k, bias, activation_group)
         -> [..., N] in x's dtype
 
-Paths (`quantization/fp8_math.py` holds the weight contract and the reference):
+Paths (`kernels/fp8_math.py` holds the weight contract and the reference):
   * not `use_triton(x)` (CPU tensors, `--forward reference`): `fp8_linear_reference`.
   * at most 4 rows: `fp8_gemv_triton`, always W8A16: at batch 1..4 reading the weight is the
     whole cost, and not quantizing x saves a launch. activation_group is ignored there, so
@@ -29,7 +29,7 @@ from metrale.kernels import use_triton
 from metrale.kernels.fp8_gemm import fp8_gemm_triton, groups_supported
 from metrale.kernels.fp8_gemv import MAX_M, fp8_gemv_triton
 from metrale.kernels.fp8_quant import quantize_activation
-from metrale.quantization import fp8_math
+from metrale.kernels import fp8_math
 
 logger = logging.getLogger(__name__)
 

@@ -59,8 +59,8 @@ import torch
 from metrale.kernels import interpret_mode, tl, triton
 from metrale.kernels.activation import silu_and_mul
 from metrale.kernels.fp8_quant import _round_to_e4m3, quantize_activation
-from metrale.layers.moe.triton_moe import align_assignments
-from metrale.quantization.fp8_math import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from metrale.kernels.moe_align import align_assignments
+from metrale.kernels.fp8_math import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 
 class Fp8MoeGemmConfig(NamedTuple):

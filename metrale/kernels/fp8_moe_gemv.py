@@ -48,7 +48,7 @@ import torch
 
 from metrale.kernels import pdl_args, pdl_launch_dependents, pdl_wait, tl, triton
 from metrale.kernels.moe_gemv import MoeGemvConfig, moe_gemv_config
-from metrale.quantization.fp8_math import FP8_DTYPE
+from metrale.kernels.fp8_math import FP8_DTYPE
 
 
 def _vec(block_k: int, group_k: int) -> int:

@@ -3,7 +3,7 @@
     x [M, K] -> q float8_e4m3fn [M, K], scale float32 [M, ceil(K / group)]
     x[m, k] ~= q[m, k] * scale[m, k // group],  scale = max(amax(|group|) / 448, MIN_SCALE)
 
-Contract (`quantization/fp8_math.py`'s `quantize_activation` is the ground truth):
+Contract (`kernels/fp8_math.py`'s `quantize_activation` is the ground truth):
   * x bf16/fp16/fp32 with a contiguous last dim; rows may be strided. q and scale are new,
     contiguous tensors. A group of at least K features is one group per row.
   * Bitwise equal to the reference: the group's amax is exact, and both divisions (amax / 448,
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from metrale.kernels import interpret_mode, pdl_args, pdl_wait, tl, triton, use_triton
-from metrale.quantization import fp8_math
+from metrale.kernels import fp8_math
 
 _TILE_ELEMENTS = 2048
 _NUM_WARPS = 4

@@ -2,7 +2,7 @@
 
 A quantized model decides a projection's format by its name (`modules_to_not_convert`), which a
 layer does not know while it is constructed. Inside `deferred_weights()`, linear and expert
-layers create their weights on the meta device (no memory); `quantization.apply` then walks
+layers create their weights on the meta device (no memory); `layers.quantization.apply` then walks
 the named modules and gives each its real weight, FP8 or not, on the model's device. Outside
 the context (every unquantized model) weights are allocated where the layer is built, as usual.
 """

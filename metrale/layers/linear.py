@@ -4,7 +4,7 @@ Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copi
 slice of a checkpoint tensor into it. Column-parallel layers split the output dimension, row-
 parallel ones the input dimension and all-reduce their output; models never branch on TP size.
 
-A layer may hold its weight in FP8 (`quantization/fp8_layers.py` sets `fp8` and adds the weight
+A layer may hold its weight in FP8 (`layers/quantization/fp8_layers.py` sets `fp8` and adds the weight
 scales): the loaders are the same, since they only move rows and columns, and scales are loaded
 one row per weight row through them.
 """
@@ -42,7 +42,7 @@ class LinearBase(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.weight = new_weight(output_size, input_size)
         self.weight.weight_loader = self.weight_loader
-        self.fp8 = None  # an Fp8Linear (quantization/fp8_layers.py) when the weight is FP8
+        self.fp8 = None  # an Fp8Linear (layers/quantization/fp8_layers.py) when the weight is FP8
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader

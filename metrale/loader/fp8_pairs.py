@@ -2,7 +2,7 @@
 
 A fine-grained FP8 checkpoint stores each quantized projection as `X.weight` (float8_e4m3fn
 [N, K]) and `X.weight_scale_inv` (float32 or bfloat16 [ceil(N/bn), ceil(K/bk)]). Neither is
-usable alone: the scale is expanded to one row per weight row (quantization/scales.py) against
+usable alone: the scale is expanded to one row per weight row (layers/quantization/scales.py) against
 its weight's shape, and both then go through the layer's loader with the same shard. So a
 weight waits for its scale and a scale for its weight (in safetensors' sorted order the scale
 comes right after its weight, so at most one waits at a time in practice).
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from metrale.quantization.config import Fp8Config
-from metrale.quantization.fp8_math import FP8_DTYPE, quantize_weight
-from metrale.quantization.scales import expand_checkpoint_scale
+from metrale.config.quantization import Fp8Config
+from metrale.kernels.fp8_math import FP8_DTYPE, quantize_weight
+from metrale.layers.quantization.scales import expand_checkpoint_scale
 
 SCALE_SUFFIX = "_scale_inv"  # checkpoint: X.weight -> X.weight_scale_inv
 

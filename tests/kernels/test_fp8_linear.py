@@ -1,5 +1,5 @@
 """The FP8 linear kernels (fp8_quant, fp8_gemv, fp8_gemm, the fp8_linear dispatcher) against
-`quantization/fp8_math.py`, on CPU through the Triton interpreter at tiny shapes, and at
+`kernels/fp8_math.py`, on CPU through the Triton interpreter at tiny shapes, and at
 Qwen3-8B shapes on a GPU (`gpu` marker)."""
 
 import logging
@@ -13,7 +13,7 @@ from metrale.kernels.fp8_gemm import (Fp8GemmConfig, block_k_for_groups, fp8_gem
 from metrale.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv_config, fp8_gemv_triton
 from metrale.kernels.fp8_linear import fp8_linear
 from metrale.kernels.fp8_quant import quantize_activation, quantize_activation_triton
-from metrale.quantization import fp8_math as fm
+from metrale.kernels import fp8_math as fm
 
 # The kernels and the reference compute the same float32 products (W8A8: of the same fp8 values,
 # the activation quantization being bitwise equal) and differ only in summation order, so fp32 is

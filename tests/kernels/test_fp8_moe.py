@@ -15,7 +15,7 @@ from metrale.kernels import fp8_moe_gemm, fp8_moe_gemv
 from metrale.kernels.moe_gemv import MoeGemvConfig
 from metrale.layers.moe import fused_experts_reference, select_experts
 from metrale.layers.moe.fp8_experts import fused_experts_fp8, fused_experts_fp8_reference
-from metrale.quantization.fp8_math import dequantize_weight, quantize_weight
+from metrale.kernels.fp8_math import dequantize_weight, quantize_weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E, TOP_K, H, I, GROUP = 6, 2, 80, 48, 32

@@ -16,9 +16,9 @@ from fp8_checkpoints import quantize_checkpoint
 from metrale import LLM, SamplingParams
 from metrale.config.model_config import ModelLoadError
 from metrale.distributed.topology import TopologyError
-from metrale.quantization.config import QuantizationError, resolve_quantization
-from metrale.quantization.fp8_math import dequantize_weight, quantize_weight
-from metrale.quantization.scales import compress_rows
+from metrale.config.quantization import QuantizationError, resolve_quantization
+from metrale.kernels.fp8_math import dequantize_weight, quantize_weight
+from metrale.layers.quantization.scales import compress_rows
 
 PROMPTS = [[5, 17, 33, 2, 9, 100], [7] * 13, [200]]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -159,7 +159,7 @@ def test_dummy_weights_of_a_quantized_config_are_fp8(fp8):
 def test_a_tp_split_through_an_input_block_is_refused_with_the_sizes_that_work(fp8, tmp_path):
     """tp=2 halves o_proj's 128 inputs into 64 (two whole 32-blocks): fine; a [48, 48] block
     does not divide 64, so the same split is refused, naming the tp sizes that keep blocks whole."""
-    from metrale.quantization.apply import working_tp_sizes
+    from metrale.layers.quantization.apply import working_tp_sizes
 
     assert working_tp_sizes(128, 48) == [1]
     assert working_tp_sizes(144, 48) == [1, 3]

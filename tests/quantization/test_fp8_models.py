@@ -147,7 +147,7 @@ def test_dynamic_activation_quantization_tracks_transformers(variant, fp8_checkp
 def _quantize_projection_inputs(model: torch.nn.Module, group: int) -> None:
     """transformers' projections with their inputs quantized as met's W8A8 kernels quantize them."""
     from fp8_checkpoints import is_projection
-    from metrale.quantization.fp8_math import fake_quantize_activation
+    from metrale.kernels.fp8_math import fake_quantize_activation
 
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and is_projection(f"{name}.weight", module.weight):

@@ -1,6 +1,6 @@
 """The experts' SwiGLU over FP8 block-scaled expert weights: the PyTorch reference and the dispatcher.
 
-Weights (what an FP8 FusedMoE holds; the scales as in `metrale.quantization.fp8_math`):
+Weights (what an FP8 FusedMoE holds; the scales as in `metrale.kernels.fp8_math`):
 
     w13        float8_e4m3fn [E_local, 2I, H]   rows [0, I) gate (w1), [I, 2I) up (w3)
     w13_scale  float32 [E_local, ceil(2I / group_n13), ceil(H / group_k)]
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from metrale.kernels import use_triton
-from metrale.quantization.fp8_math import fp8_linear_reference
+from metrale.kernels.fp8_math import fp8_linear_reference
 
 
 def fused_experts_fp8_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,

@@ -12,7 +12,7 @@ contribute zero and one all-reduce over the layout's group sums the partial outp
 decode-sized batches (up to kernels/moe_gemv.MAX_TOKENS tokens) take per-assignment GEMVs and
 larger ones the Triton grouped GEMM; other devices take the PyTorch loop.
 
-Under FP8 quantization (quantization/fp8_layers.py sets `fp8`) w13 and w2 are float8 with
+Under FP8 quantization (layers/quantization/fp8_layers.py sets `fp8`) w13 and w2 are float8 with
 `w13_weight_scale_inv` / `w2_weight_scale_inv`; the same loader takes the scales, one row per
 weight row and one column per block of `column_unit` inputs.
 """
@@ -55,7 +55,7 @@ class FusedMoE(nn.Module):
         self.w13 = new_weight(num_local, 2 * local_inter, hidden_size)
         self.w2 = new_weight(num_local, hidden_size, local_inter)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
-        self.fp8 = None  # an Fp8Experts (quantization/fp8_layers.py) when the experts are FP8
+        self.fp8 = None  # an Fp8Experts (layers/quantization/fp8_layers.py) when the experts are FP8
         if use_correction_bias:
             # Kept in float32 whatever the model dtype: it only ranks experts, and small gaps matter.
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),

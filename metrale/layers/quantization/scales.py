@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.quantization.fp8_math import cdiv
+from metrale.kernels.fp8_math import cdiv
 
 
 def expand_checkpoint_scale(scale: torch.Tensor, weight_shape: tuple[int, ...], block_n: int, block_k: int,

@@ -3,7 +3,7 @@ config and the layer allow it, the model dtype elsewhere.
 
 A linear layer is FP8 when it is `quantizable` (routers and gates are not) and at least one of
 its checkpoint pieces is not listed unquantized (`modules_to_not_convert`); a merged projection
-whose other pieces are listed has those quantized as they load (quantization/on_load.py).
+whose other pieces are listed has those quantized as they load (loader/fp8_pairs.py).
 Expert layers are FP8 unless their module is listed.
 
 Tensor parallelism: a shard that cuts a block of the input features (a row-parallel layer's
@@ -24,8 +24,8 @@ from metrale.distributed.topology import TopologyError
 from metrale.layers.deferred_weights import is_deferred
 from metrale.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from metrale.layers.moe.layer import FusedMoE
-from metrale.quantization.config import Fp8Config
-from metrale.quantization.fp8_layers import Fp8Experts, Fp8Linear, fp8_parameter, scale_parameter
+from metrale.config.quantization import Fp8Config
+from metrale.layers.quantization.fp8_layers import Fp8Experts, Fp8Linear, fp8_parameter, scale_parameter
 
 logger = logging.getLogger(__name__)
 

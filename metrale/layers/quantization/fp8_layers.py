@@ -1,8 +1,8 @@
 """The FP8 state of a linear or expert layer: how its scales are laid out and which kernel runs it.
 
-A layer converted by `quantization.apply` holds
+A layer converted by `layers.quantization.apply` holds
     weight / w13 / w2                 float8_e4m3fn, the shapes of the unquantized weight
-    weight_scale_inv / w13_... / w2_...  float32 scales (quantization/scales.py)
+    weight_scale_inv / w13_... / w2_...  float32 scales (layers/quantization/scales.py)
 and an `fp8` attribute, one of the classes below, that its forward hands the matmul to.
 `group_n` is 1 while loading (a scale row per weight row) and the checkpoint's block_n after
 `finish_loading` wherever the layout allows; `block_k` (the scale columns' width) never changes.
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from metrale.quantization.fp8_math import FP8_DTYPE, cdiv
-from metrale.quantization.scales import compress_rows
+from metrale.kernels.fp8_math import FP8_DTYPE, cdiv
+from metrale.layers.quantization.scales import compress_rows
 
 
 def fp8_parameter(*shape: int, device, like: nn.Parameter | None = None) -> nn.Parameter:

@@ -1,1 +1,0 @@
-"""Quantized weights: FP8 formats, their layout in met's layers, and loading them (docs/quantization.md)."""
