@@ -129,7 +129,7 @@ def main(argv=None):
     from metrale.kernels import fp8_gemm, fp8_gemv
     from metrale.kernels.fp8_linear import fp8_linear
     from metrale.kernels.fp8_quant import quantize_activation_triton
-    from metrale.quantization import fp8_math
+    from metrale.kernels import fp8_math
 
     if not HAS_TRITON:
         print("fp8_gemm_bench.py needs triton (not importable); nothing measured.", file=sys.stderr)

@@ -73,7 +73,7 @@ def _log(msg):
 
 def quantized_experts(w: torch.Tensor):
     """bf16 [E, N, K] -> (float8_e4m3fn [E, N, K], float32 scales [E, N / 128, K / 128])."""
-    from metrale.quantization.fp8_math import quantize_weight
+    from metrale.kernels.fp8_math import quantize_weight
 
     experts, n, k = w.shape
     q, scale = quantize_weight(w.reshape(experts * n, k), BLOCK, BLOCK)  # blocks never cross experts
