@@ -6,13 +6,14 @@
 #     OUT=/tmp/out bash benchmarks/run_fp8_suite.sh next    # the full Qwen3-Next-80B-A3B-Instruct-FP8 config
 # Modes can be joined with commas ("dense,moe"). Carried beside the tree: .whl/ with a transformers
 # that knows Qwen3-Next (dummy weights take the tensor names from transformers' model). Every log
-# goes into $OUT/results.tgz; pass MET_COMMIT=<hash>.
+# goes into $OUT/logs/ (pack it after the call, even one cut short: the device tool returns few
+# files); pass MET_COMMIT=<hash>.
 set -uo pipefail
 MODES="${1:-tests}"
 OUT="${OUT:-/tmp/met-fp8}"
-W=$(mktemp -d)
+W="$OUT/logs"
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-mkdir -p "$OUT" /tmp/site
+mkdir -p "$W" /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/transformers-*.whl
 echo "${MET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" > "$W/commit.txt"
 python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name(0))' | tee -a "$W/commit.txt"
@@ -53,4 +54,3 @@ for mode in ${MODES//,/ }; do
       THR_TIMEOUT=260 throughput qwen3_next_80b_fp8 Qwen3-Next-80B-A3B-Instruct-FP8 ;;
   esac
 done
-tar -czf "$OUT/results.tgz" -C "$W" .
