@@ -18,10 +18,13 @@ from gemv_bench import time_graph  # noqa: E402
 
 from metrale.kernels import fp8_math  # noqa: E402
 from metrale.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_triton  # noqa: E402
-from metrale.kernels.fp8_gemv import fp8_gemv_triton  # noqa: E402
+from metrale.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv_triton  # noqa: E402
 from metrale.kernels.fp8_quant import quantize_activation_triton  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+# (block_n, block_k, num_warps, num_stages) tried for the GEMV beside its default
+GEMV_CONFIGS = [(2, 2048, 4, 1), (4, 4096, 8, 1), (4, 2048, 4, 1), (8, 2048, 4, 1), (8, 1024, 4, 1), (4, 1024, 2, 1),
+                (8, 4096, 8, 1)]
 COPIES = 8  # weight copies cycled through, so each call streams its weight from HBM, not L2
 
 
@@ -47,16 +50,20 @@ def main():
     for name, (N, K) in SHAPES.items():
         weights = [fp8_math.quantize_weight(torch.randn(N, K, device="cuda") * 0.02, 128, 128) for _ in range(COPIES)]
         nbytes = N * K
-        for M in (1, 16):
+        for M in (1, 4, 16):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             if M <= 4:
                 us = time_graph(lambda i: fp8_gemv_triton(x, *weights[i % COPIES], 128, 128), 16, 10)
                 print(f"| {name} | {M} | gemv | default | {us:.2f} | {nbytes / us / 1e6:.2f} |")
+                for cfg in GEMV_CONFIGS:
+                    us = time_graph(lambda i: fp8_gemv_triton(x, *weights[i % COPIES], 128, 128,
+                                                              config=Fp8GemvConfig(*cfg)), 16, 10)
+                    print(f"| {name} | {M} | gemv | {'/'.join(map(str, cfg))} | {us:.2f} | {nbytes / us / 1e6:.2f} |")
             xq, xs = quantize_activation_triton(x, 128)
             us = time_graph(lambda i: quantize_activation_triton(x, 128), 16, 10)
             print(f"| {name} | {M} | quant | default | {us:.2f} | |")
             best = None
-            for bn, (warps, stages) in itertools.product((16, 32, 64), ((1, 4), (2, 4), (4, 4), (4, 6))):
+            for bn, (warps, stages) in itertools.product((16, 32), ((2, 4), (4, 6))):
                 cfg = Fp8GemmConfig(16, bn, 128, 1, warps, stages)
                 try:
                     us = time_graph(lambda i: fp8_gemm_triton(xq, xs, *weights[i % COPIES], 128, 128, 128,

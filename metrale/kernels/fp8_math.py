@@ -45,7 +45,10 @@ def quantize_weight(weight: torch.Tensor, group_n: int, group_k: int) -> tuple[t
     padded = torch.zeros(rows * gn, cols * gk, dtype=torch.float32, device=weight.device)
     padded[:n, :k] = weight.float()
     blocks = padded.view(rows, gn, cols, gk)
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(MIN_SCALE)
+    amax = blocks.abs().amax(dim=(1, 3))
+    # A tensor divisor: torch multiplies by the reciprocal of a Python scalar on CUDA, which is
+    # not the correctly rounded amax / 448 the kernels compute.
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE)
     quantized = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return quantized.view(rows * gn, cols * gk)[:n, :k].contiguous(), scale
 

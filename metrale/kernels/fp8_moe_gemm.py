@@ -43,10 +43,10 @@ over the k experts in fp32 (torch's sum), rounded once (the reference rounds aft
 Tile configs (`fp8_moe_gemm_config`) are a pure function of the shapes, no autotuning:
 deterministic and one compiled variant per layer shape and tile size. Not measured yet.
 
-Under the CPU interpreter (triton 3.9) two casts are emulated, as in fp8_quant / fp8_gemm: bf16
-`tl.dot` multiplies the raw uint16 storage, so bf16 W8A16 takes float32 dots there (F32_DOT; the
-products are exact either way), and the float32 -> e4m3 cast drops carries, so values are first
-rounded onto e4m3's grid in float32 (ROUND_IN_FP32). fp8 `tl.dot` works (widened to fp16).
+Under the CPU interpreter (triton 3.9) bf16 `tl.dot` multiplies the raw uint16 storage, so bf16
+W8A16 takes float32 dots there (F32_DOT; the products are exact either way); fp8 `tl.dot` works
+(widened to fp16). Values are rounded onto e4m3's grid in float32 before the cast to fp8, on the
+GPU and the interpreter alike: neither of Triton's casts rounds once to nearest-even (fp8_quant.py).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ import torch
 
 from metrale.kernels import interpret_mode, tl, triton
 from metrale.kernels.activation import silu_and_mul
-from metrale.kernels.fp8_quant import _round_to_e4m3, quantize_activation
+from metrale.kernels.fp8_quant import quantize_activation, round_to_e4m3
 from metrale.kernels.moe_align import align_assignments
 from metrale.kernels.fp8_math import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
@@ -180,7 +180,7 @@ def _fp8_grouped_gemm_kernel(
 def _silu_mul_quant_kernel(
     x_ptr, ids_ptr, q_ptr, s_ptr, d, group, num_groups, expert_start, num_local,
     stride_x, stride_q, stride_s,
-    BLOCK_G: tl.constexpr, GROUP: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
+    BLOCK_G: tl.constexpr, GROUP: tl.constexpr,
 ):
     # grid: (num_assign, cdiv(num_groups, BLOCK_G)). Program (a, b) quantizes groups [b * BLOCK_G, +BLOCK_G)
     # of silu(x[a, :d]) * x[a, d:2d] as one [BLOCK_G, GROUP] tile (GROUP: group rounded up to a power of
@@ -200,8 +200,7 @@ def _silu_mul_quant_kernel(
     x = (silu * up).to(dtype).to(tl.float32)
     scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), _FP8_MAX), _MIN_SCALE)
     q = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -_FP8_MAX), _FP8_MAX)
-    if ROUND_IN_FP32:
-        q = _round_to_e4m3(q)
+    q = round_to_e4m3(q)  # Triton's fp8 casts do not round once to nearest-even (fp8_quant.py)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_s + groups, scale, mask=groups < num_groups)
 
@@ -219,7 +218,7 @@ def _silu_mul_quantize(inter, group, ids, expert_start, num_local):
     _silu_mul_quant_kernel[(rows, triton.cdiv(num_groups, block_g))](
         inter, ids, q, scale, d, group, num_groups, expert_start, num_local,
         inter.stride(0), q.stride(0), scale.stride(0),
-        BLOCK_G=block_g, GROUP=group_p2, ROUND_IN_FP32=interpret_mode(), num_warps=4)
+        BLOCK_G=block_g, GROUP=group_p2, num_warps=4)
     return q, scale
 
 
