@@ -72,12 +72,14 @@ class Fp8GemmConfig(NamedTuple):
 
 
 # Upper M of each bucket -> (block_m, block_n, block_k, group_m, num_warps, num_stages).
-# Initial values, not yet measured on an H200 (benchmarks/fp8_gemm_bench.py times them and
-# candidates around them; edit the rows from its results). BLOCK_K 128 is one [128, 128] weight
+# The M <= 16 W8A8 row is the best of benchmarks/fp8_skinny_probe.py on an H200 at Qwen3-8B's
+# shapes at 4 and 16 rows (qkv 15.6 / 14.9 us, gate_up 35.2 / 28.5 us; 64-wide tiles took
+# 16.2 at 16 rows); the other rows are initial values (benchmarks/fp8_gemm_bench.py times
+# them and candidates around them). BLOCK_K 128 is one [128, 128] weight
 # block's depth in fp8; W8A16 halves it where x's 16-bit tile is large (M > 16), so a stage's
 # shared memory stays alike. Shared memory per stage: block_k * (block_m * x bytes + block_n).
 _W8A8_TABLE = (
-    (16, Fp8GemmConfig(16, 64, 128, 1, 4, 4)),     # weight-bound: thin row tile, deep pipeline
+    (16, Fp8GemmConfig(16, 32, 128, 1, 2, 4)),     # weight-bound: thin tiles, many programs
     (64, Fp8GemmConfig(64, 64, 128, 1, 4, 4)),     # one wgmma row tile (64 rows per warpgroup)
     (256, Fp8GemmConfig(64, 128, 128, 8, 4, 4)),
     (None, Fp8GemmConfig(128, 128, 128, 8, 8, 4)),  # compute-bound: 2 warpgroups, 128 KiB ring

@@ -7,9 +7,6 @@ and x is not quantized (W8A16), so no quantization kernel runs before it. Contra
     ceil(K / group_k)] (`kernels/fp8_math.py`); group_n any positive size, group_k a
     multiple of 16 or >= K. x [M, K] bf16/fp16/fp32 (rows may be strided, last dim
     contiguous), bias [N] or None. y [M, N] is a new tensor of x's dtype.
-  * Weights are turned into float32 with integer ops (`e4m3_bits_to_f32`: the value times
-    2^-120, exact; its scale carries the 2^120), not conversion instructions, whose issue rate
-    bounded this kernel at about 2.3 T elements/s on an H200, half its bandwidth.
   * Products and sums are in fp32: each thread multiplies one 16-byte weight vector (16 fp8
     elements, which lie in one K group because group_k is a multiple of 16 or >= K) by x,
     sums the 16 products, and multiplies that partial sum by the vector's scale. y is rounded
@@ -54,21 +51,24 @@ class Fp8GemvConfig(NamedTuple):
 
 
 def fp8_gemv_config(M: int, N: int, K: int) -> Fp8GemvConfig:
-    """Default launch config. gemv_config's byte budgets (measured on an H200 for bf16) carried
-    over to 1-byte weights; not yet measured for fp8 (benchmarks/fp8_gemm_bench.py times them):
+    """Default launch config.
 
       M == 1: chunks of 4 KiB per weight row (a whole K = 4096 row: one 16-byte vector per
-              thread of 8 warps) and two rows per program, so a program has the 8 KiB in
-              flight that the bf16 GEMV's best config has; plain loads.
+              thread of 8 warps) and four rows per program. On an H200 (benchmarks/
+              fp8_gemm_bench.py, at c1a0977) this took 11.1, 8.1, 35.9 and
+              16.5 us for Qwen3-8B's qkv, o_proj, gate_up and down (2.3-3.1 TB/s), against 12.6,
+              9.1, 42.6 and 18.5 with two rows per program; the conversion of each fp8 element
+              to float32 bounds it there, not the bandwidth.
       M >= 2: chunks of 2 KiB, 4 warps when N > 8192; else 1 KiB, 2 warps (M == 2) or 512 B,
-              1 warp (M >= 3); cp.async ring of 3 stages; BLOCK_N 4.
+              1 warp (M >= 3); cp.async ring of 3 stages; BLOCK_N 4. With activations quantized,
+              fp8_linear takes the W8A8 GEMM from two rows on, which is faster there.
     BLOCK_N then halves (down to 1) while N / BLOCK_N < 4 programs per SM; the chunk is capped
     at K rounded up to a power of two (at least 16), and num_warps at what keeps every warp
     along K (BLOCK_K >= 16 * 32 * num_warps).
     """
     k_cap = max(triton.next_power_of_2(K), VEC)
     if M == 1:
-        block_n, chunk, num_warps, num_stages = 2, 4096, 8, 1
+        block_n, chunk, num_warps, num_stages = 4, 4096, 8, 1
     elif N > 8192:
         block_n, chunk, num_warps, num_stages = 4, 2048, 4, 3
     elif M == 2:
@@ -82,36 +82,17 @@ def fp8_gemv_config(M: int, N: int, K: int) -> Fp8GemvConfig:
     return Fp8GemvConfig(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
 
 
-
-@triton.jit
-def e4m3_bits_to_f32(b):
-    # e4m3 byte (as uint8) -> its value * 2^-120 as float32, exactly, with integer ops only: sign
-    # to bit 31, the 4 exponent and 3 mantissa bits to bits 26..20. Exponent 0 (e4m3 subnormals)
-    # lands on float32 subnormals with the same ratio. Integer ops issue at 4x the rate of the
-    # conversion instructions `.to(tl.float32)` takes, which bound the GEMV at batch 1.
-    b = b.to(tl.uint32)
-    return (((b << 24) & 0x80000000) | ((b << 20) & 0x07F00000)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def e4m3_scale(s):
-    # A scale for values from e4m3_bits_to_f32: times 2^120, which they lack. Weight scales are
-    # far below 2^8 (weights below 1e5), so the product stays finite.
-    return s * 1.329227995784916e36
-
-
 @triton.jit
 def _load_chunk(w_ptrs, s_ptrs, k_vec, group_k, kmask, vmask, MASKED: tl.constexpr):
-    # One chunk of weight rows (float32 [BLOCK_N, BLOCK_K // VEC, VEC], each the weight times
-    # 2^-120: w_ptrs point at its bytes) and the scale of each of its vectors, times 2^120
-    # ([BLOCK_N, BLOCK_K // VEC]); k_vec holds the vectors' first k.
+    # One chunk of weight rows (float32 [BLOCK_N, BLOCK_K // VEC, VEC]) and the scale of each
+    # of its vectors ([BLOCK_N, BLOCK_K // VEC]); k_vec holds the vectors' first k.
     if MASKED:
-        w = tl.load(w_ptrs, mask=kmask[None, :, :], other=0)
+        w = tl.load(w_ptrs, mask=kmask[None, :, :], other=0.0)
         s = tl.load(s_ptrs + (k_vec // group_k)[None, :], mask=vmask[None, :], other=0.0)
     else:
         w = tl.load(w_ptrs)
         s = tl.load(s_ptrs + (k_vec // group_k)[None, :])
-    return e4m3_bits_to_f32(w), e4m3_scale(s)
+    return w.to(tl.float32), s
 
 
 @triton.jit
@@ -232,7 +213,7 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     assert cfg.block_k >= VEC and cfg.num_stages >= 1, cfg
     pdl = pdl_args()
     _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x, weight.view(torch.uint8), weight_scale, bias if bias is not None else y, y,
+        x, weight, weight_scale, bias if bias is not None else y, y,
         N, K, group_n, group_k, x.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0),
         M=M, HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=VEC, NUM_STAGES=cfg.num_stages,

@@ -5,11 +5,13 @@
 
 Paths (`kernels/fp8_math.py` holds the weight contract and the reference):
   * not `use_triton(x)` (CPU tensors, `--forward reference`): `fp8_linear_reference`.
-  * at most 4 rows: `fp8_gemv_triton`, always W8A16: at batch 1..4 reading the weight is the
-    whole cost, and not quantizing x saves a launch. activation_group is ignored there, so
-    these rows match `fp8_linear_reference(..., activation_group=None)`.
+  * one row (batch-1 decode), or at most 4 without an activation_group: `fp8_gemv_triton`,
+    W8A16: at one row reading the weight is the whole cost, and not quantizing x saves a
+    launch. activation_group is ignored there, so these rows match
+    `fp8_linear_reference(..., activation_group=None)`.
   * more rows with an activation_group: `quantize_activation` (per token and group) then the
-    W8A8 `fp8_gemm_triton`, which matches the reference with that activation_group.
+    W8A8 `fp8_gemm_triton`, which matches the reference with that activation_group (from two
+    rows on it beats the GEMV on an H200: benchmarks/fp8_skinny_probe.py).
   * more rows without one: the W8A16 `fp8_gemm_triton`.
 Inputs the kernels cannot take (group sizes that are not multiples of 16 and below K, an x
 dtype other than bf16/fp16/fp32, weight rows not contiguous, scales not float32) take the
@@ -67,7 +69,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return fp8_math.fp8_linear_reference(x, weight, weight_scale, group_n, group_k, bias, activation_group)
     K, N = x.shape[-1], weight.shape[0]
     x2 = x.reshape(math.prod(x.shape[:-1]), K)
-    if x2.shape[0] <= MAX_M:
+    if x2.shape[0] == 1 or (activation_group is None and x2.shape[0] <= MAX_M):
         y = fp8_gemv_triton(x2, weight, weight_scale, group_n, group_k, bias)
     elif activation_group is not None:
         x_q, x_scale = quantize_activation(x2, activation_group)

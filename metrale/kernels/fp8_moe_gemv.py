@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import torch
 
-from metrale.kernels.fp8_gemv import e4m3_bits_to_f32, e4m3_scale
 from metrale.kernels import pdl_args, pdl_launch_dependents, pdl_wait, tl, triton
 from metrale.kernels.moe_gemv import MoeGemvConfig, moe_gemv_config
 from metrale.kernels.fp8_math import FP8_DTYPE
@@ -92,21 +91,21 @@ def _gate_up_kernel(
     acc_u = tl.full([BLOCK_I, BLOCK_K // VEC], 0.0, tl.float32)
     k_full = (hidden_size // BLOCK_K) * BLOCK_K
     for k0 in range(0, k_full, BLOCK_K):
-        g = e4m3_bits_to_f32(tl.load(g_ptrs + k0))
-        u = e4m3_bits_to_f32(tl.load(u_ptrs + k0))
+        g = tl.load(g_ptrs + k0).to(tl.float32)
+        u = tl.load(u_ptrs + k0).to(tl.float32)
         x = tl.load(x_ptrs + k0).to(tl.float32)[None, :, :]
         cols = ((k0 + vec * VEC) // group_k)[None, :]
-        acc_g += tl.sum(g * x, axis=2) * e4m3_scale(tl.load(sg_ptrs + cols))
-        acc_u += tl.sum(u * x, axis=2) * e4m3_scale(tl.load(su_ptrs + cols))
+        acc_g += tl.sum(g * x, axis=2) * tl.load(sg_ptrs + cols)
+        acc_u += tl.sum(u * x, axis=2) * tl.load(su_ptrs + cols)
     if not EVEN_K:  # the partial last chunk
         kmask = (k_full + kk) < hidden_size
         vmask = ((k_full + vec * VEC) < hidden_size)[None, :]
         cols = ((k_full + vec * VEC) // group_k)[None, :]
-        g = e4m3_bits_to_f32(tl.load(g_ptrs + k_full, mask=kmask[None, :, :], other=0))
-        u = e4m3_bits_to_f32(tl.load(u_ptrs + k_full, mask=kmask[None, :, :], other=0))
+        g = tl.load(g_ptrs + k_full, mask=kmask[None, :, :], other=0.0).to(tl.float32)
+        u = tl.load(u_ptrs + k_full, mask=kmask[None, :, :], other=0.0).to(tl.float32)
         x = tl.load(x_ptrs + k_full, mask=kmask, other=0.0).to(tl.float32)[None, :, :]
-        acc_g += tl.sum(g * x, axis=2) * e4m3_scale(tl.load(sg_ptrs + cols, mask=vmask, other=0.0))
-        acc_u += tl.sum(u * x, axis=2) * e4m3_scale(tl.load(su_ptrs + cols, mask=vmask, other=0.0))
+        acc_g += tl.sum(g * x, axis=2) * tl.load(sg_ptrs + cols, mask=vmask, other=0.0)
+        acc_u += tl.sum(u * x, axis=2) * tl.load(su_ptrs + cols, mask=vmask, other=0.0)
 
     dtype = act_ptr.dtype.element_ty
     gate = tl.sum(acc_g, axis=1).to(dtype).to(tl.float32)  # F.linear's outputs, in the model dtype
@@ -120,7 +119,7 @@ def _down_acc(acc, w, s, a_ptrs, mask):
     # acc [BLOCK_E, BLOCK_N, BLOCK_K // VEC] += (sum over the thread-local VEC axis of w * act) * s, s the
     # vectors' scales. act [BLOCK_E, 1, BLOCK_K // VEC, VEC]: other ranks' rows are never read (unwritten).
     act = tl.load(a_ptrs, mask=mask, other=0.0)
-    return acc + tl.sum(e4m3_bits_to_f32(w) * act.to(tl.float32), axis=3) * e4m3_scale(s)
+    return acc + tl.sum(w.to(tl.float32) * act.to(tl.float32), axis=3) * s
 
 
 @triton.jit
@@ -160,20 +159,20 @@ def _down_kernel(
     k_full = (inter_size // BLOCK_K) * BLOCK_K
     k_start = 0
     if PREFETCH:  # at least one full chunk: with PDL, it streams in while stage 1 drains
-        w_first = tl.load(w_ptrs, mask=emask, other=0)
+        w_first = tl.load(w_ptrs, mask=emask, other=0.0)
         s_first = tl.load(s_ptrs + ((vec * VEC) // group_k)[None, None, :], mask=smask, other=0.0)
     pdl_wait(PDL)
     if PREFETCH:
         acc = _down_acc(acc, w_first, s_first, a_ptrs, emask)
         k_start = BLOCK_K
     for k0 in range(k_start, k_full, BLOCK_K):
-        w = tl.load(w_ptrs + k0, mask=emask, other=0)
+        w = tl.load(w_ptrs + k0, mask=emask, other=0.0)
         s = tl.load(s_ptrs + ((k0 + vec * VEC) // group_k)[None, None, :], mask=smask, other=0.0)
         acc = _down_acc(acc, w, s, a_ptrs + k0, emask)
     if not EVEN_K:  # the partial last chunk
         mask = emask & ((k_full + kk) < inter_size)[None, None, :, :]
         vmask = smask & ((k_full + vec * VEC) < inter_size)[None, None, :]
-        w = tl.load(w_ptrs + k_full, mask=mask, other=0)
+        w = tl.load(w_ptrs + k_full, mask=mask, other=0.0)
         s = tl.load(s_ptrs + ((k_full + vec * VEC) // group_k)[None, None, :], mask=vmask, other=0.0)
         acc = _down_acc(acc, w, s, a_ptrs + k_full, mask)
 
@@ -233,15 +232,15 @@ def fused_experts_fp8_small_batch_triton(hidden: torch.Tensor, w13: torch.Tensor
     assert grid1[1] < 65536 and grid2[1] < 65536, (grid1, grid2, "a grid's second axis is at most 65535")
     act = torch.empty((num_tokens * top_k, inter_size), dtype=hidden.dtype, device=hidden.device)
     pdl = pdl_args()
-    _gate_up_kernel[grid1](  # weights as their bytes: e4m3_bits_to_f32 converts them
-        hidden, w13.view(torch.uint8), w13_scale, ids, act,
+    _gate_up_kernel[grid1](
+        hidden, w13, w13_scale, ids, act,
         hidden_size, inter_size, expert_start, num_local, group_n13, group_k,
         hidden.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_I=cfg.block_i, BLOCK_K=cfg.block_k1, VEC=_vec(cfg.block_k1, group_k),
         EVEN_K=hidden_size % cfg.block_k1 == 0, num_warps=cfg.warps1, **pdl,
     )
     _down_kernel[grid2](
-        act, w2.view(torch.uint8), w2_scale, ids, weights, out,
+        act, w2, w2_scale, ids, weights, out,
         hidden_size, inter_size, expert_start, num_local, group_n2, group_k,
         act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), out.stride(0),
         TOP_K=top_k, BLOCK_E=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k2,

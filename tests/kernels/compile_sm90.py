@@ -70,7 +70,7 @@ KERNELS = {
     # GEMM at the small-M and large-M rows of both fp8_gemm_config tables (num_stages is the
     # compiler's default here: the ring's depth is not compiled)
     **{f"fp8_gemv._fp8_gemv_kernel[M={m}]": (FV._fp8_gemv_kernel, {
-        "x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": F32, "b_ptr": "*bf16", "y_ptr": "*bf16",
+        "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": F32, "b_ptr": "*bf16", "y_ptr": "*bf16",
         **{name: INT for name in ("N", "K", "group_n", "group_k", "stride_xm", "stride_wn", "stride_sn",
                                   "stride_ym")}},
         {"M": m, "HAS_BIAS": False, "EVEN_K": True, "BLOCK_N": block_n, "BLOCK_K": block_k, "VEC": 16,
@@ -130,12 +130,12 @@ KERNELS = {
                                   "stride_s")}},
         {"BLOCK_G": 8, "GROUP": 128}, 4),
     "fp8_moe_gemv._gate_up_kernel": (FMV._gate_up_kernel, {
-        "x_ptr": "*bf16", "w13_ptr": "*u8", "s13_ptr": F32, "ids_ptr": I64, "act_ptr": "*bf16",
+        "x_ptr": "*bf16", "w13_ptr": "*fp8e4nv", "s13_ptr": F32, "ids_ptr": I64, "act_ptr": "*bf16",
         **{name: INT for name in ("hidden_size", "inter_size", "expert_start", "num_local", "group_n", "group_k",
                                   "stride_xm", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_am")}},
         {"TOP_K": 8, "BLOCK_I": 1, "BLOCK_K": 2048, "VEC": 16, "EVEN_K": True, "PDL": True}, 4),
     "fp8_moe_gemv._down_kernel": (FMV._down_kernel, {
-        "act_ptr": "*bf16", "w2_ptr": "*u8", "s2_ptr": F32, "ids_ptr": I64, "weights_ptr": "*bf16",
+        "act_ptr": "*bf16", "w2_ptr": "*fp8e4nv", "s2_ptr": F32, "ids_ptr": I64, "weights_ptr": "*bf16",
         "out_ptr": "*bf16",
         **{name: INT for name in ("hidden_size", "inter_size", "expert_start", "num_local", "group_n", "group_k",
                                   "stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_om")}},
