@@ -3,6 +3,7 @@
 #     OUT=/tmp/out bash benchmarks/run_fp8_suite.sh tests   # GPU tests of the FP8 paths, kernel benchmarks
 #     OUT=/tmp/out bash benchmarks/run_fp8_suite.sh dense   # Qwen3-8B-FP8 against Qwen3-8B (bf16), batch 1
 #     OUT=/tmp/out bash benchmarks/run_fp8_suite.sh moe     # Qwen3-30B-A3B-FP8 against bf16: batch 1, workload
+#                                                         (moe_latency: batch 1 only)
 #     OUT=/tmp/out bash benchmarks/run_fp8_suite.sh next    # the full Qwen3-Next-80B-A3B-Instruct-FP8 config
 # Modes can be joined with commas ("dense,moe"). Carried beside the tree: .whl/ with a transformers
 # that knows Qwen3-Next (dummy weights take the tensor names from transformers' model). Every log
@@ -35,15 +36,19 @@ throughput() {
 for mode in ${MODES//,/ }; do
   case $mode in
     tests)
-      timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rs -m gpu -p no:cacheprovider tests/kernels/test_fp8_linear.py \
-          tests/kernels/test_fp8_moe.py tests/gpu/test_gpu_fp8.py ${EXTRA_TESTS:-} --durations=12 > "$W/gpu_tests.log" 2>&1
+      timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rs -m gpu -p no:cacheprovider ${FP8_TESTS:-tests/kernels/test_fp8_linear.py \
+          tests/kernels/test_fp8_moe.py tests/gpu/test_gpu_fp8.py} --durations=12 > "$W/gpu_tests.log" 2>&1
       grep -cE " PASSED" "$W/gpu_tests.log"; grep -E "FAILED|ERROR|passed|failed" "$W/gpu_tests.log" | tail -20
+      [ -n "${SKIP_KERNEL_BENCH:-}" ] && continue
       timeout "${KBENCH_TIMEOUT:-150}" python3 benchmarks/fp8_gemm_bench.py ${GEMM_BENCH_ARGS:-} > "$W/fp8_gemm_bench.log" 2>&1
       tail -40 "$W/fp8_gemm_bench.log"
       timeout 90 python3 benchmarks/fp8_moe_bench.py > "$W/fp8_moe_bench.log" 2>&1; tail -25 "$W/fp8_moe_bench.log" ;;
     dense)
       latency qwen3_8b_fp8 Qwen3-8B-FP8
       latency qwen3_8b_bf16 Qwen3-8B ;;
+    moe_latency)
+      latency qwen3_30b_a3b_fp8 Qwen3-30B-A3B-FP8
+      latency qwen3_30b_a3b_bf16 Qwen3-30B-A3B ;;
     moe)
       latency qwen3_30b_a3b_fp8 Qwen3-30B-A3B-FP8
       latency qwen3_30b_a3b_bf16 Qwen3-30B-A3B
