@@ -55,7 +55,7 @@ def fp8_gemv_config(M: int, N: int, K: int) -> Fp8GemvConfig:
 
       M == 1: chunks of 4 KiB per weight row (a whole K = 4096 row: one 16-byte vector per
               thread of 8 warps) and four rows per program. On an H200 (benchmarks/
-              fp8_gemm_bench.py, at c1a0977) this took 11.1, 8.1, 35.9 and
+              fp8_gemm_bench.py, at 09dbbd8) this took 11.1, 8.1, 35.9 and
               16.5 us for Qwen3-8B's qkv, o_proj, gate_up and down (2.3-3.1 TB/s), against 12.6,
               9.1, 42.6 and 18.5 with two rows per program; the conversion of each fp8 element
               to float32 bounds it there, not the bandwidth.
