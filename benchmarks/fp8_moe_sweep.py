@@ -37,7 +37,7 @@ def main():
         weights, ids = select_experts(torch.randn(tokens, EXPERTS, device="cuda"), TOP_K, "softmax", True)
         us = time_graph(lambda i: fused_experts_triton(x, w13, w2, weights, ids), 5, 10)
         print(f"| {tokens} | bf16 grouped | default | {us:.1f} |")
-        default = fp8_moe_gemm_config(tokens * TOP_K, 2 * INTER, HIDDEN, EXPERTS, 128, True)
+        default = fp8_moe_gemm_config(tokens * TOP_K, 2 * INTER, HIDDEN, EXPERTS, 128)
         best = None
         for cfg in [default] + [Fp8MoeGemmConfig(*c) for c in CONFIGS]:
             try:

@@ -41,7 +41,7 @@ GEMM 2's rounded to it after the K-sum, times the routing weight in fp32, rounde
 over the k experts in fp32 (torch's sum), rounded once (the reference rounds after each expert).
 
 Tile configs (`fp8_moe_gemm_config`) are a pure function of the shapes, no autotuning:
-deterministic and one compiled variant per layer shape and tile size. Not measured yet.
+deterministic and one compiled variant per layer shape and tile size, measured on an H200.
 
 Under the CPU interpreter (triton 3.9) bf16 `tl.dot` multiplies the raw uint16 storage, so bf16
 W8A16 takes float32 dots there (F32_DOT; the products are exact either way); fp8 `tl.dot` works
@@ -87,37 +87,30 @@ def k_span(k: int, *groups: int | None) -> int | None:
     return math.gcd(*bounds) if bounds else None
 
 
-def fp8_moe_gemm_config(num_assign: int, n: int, k: int, num_experts: int, k_group: int | None,
-                        wide_scales: bool) -> Fp8MoeGemmConfig:
+def fp8_moe_gemm_config(num_assign: int, n: int, k: int, num_experts: int, k_group: int | None) -> Fp8MoeGemmConfig:
     """The tiles of one grouped GEMM of `num_assign` assignments over `num_experts` local experts,
-    C [*, n] = A [*, k] @ W[e]^T; k_group is the span over which both scales are constant (`k_span`),
-    wide_scales whether both GEMMs' weight scale blocks span a multiple of 128 rows (group_n13 and
-    group_n2: the checkpoints' [128, 128] blocks), so that 128-wide N tiles load scalar scales.
+    C [*, n] = A [*, k] @ W[e]^T; k_group is the span over which both scales are constant (`k_span`).
 
-        rows per expert r = num_assign / num_experts   block_m = r's power of two, clamped to [16, 128]
-                                                       (64 without wide_scales); a run wastes up to
-                                                       block_m - 1 padding rows
-        block_n   128 with 64- and 128-row tiles, else 64 (small batches: more programs to fill the
-                  SMs); at most n rounded up to a power of two, at least 16
+        rows per expert r = num_assign / num_experts   block_m 16 below 16 rows per expert, else 64
+        block_n   128 from 64 rows per expert, else 64; at most n rounded up to a power of two, at least 16
         block_k   128, at most k_group's largest power-of-two divisor and k rounded up to a power of two
                   (at least 16, tl.dot's least K: the groups must be multiples of 16)
-        num_warps 8 for 128-row tiles (two warpgroups), else 4; 3 stages
+        4 warps, 3 stages
 
-    Qwen3-30B-A3B-FP8 (128 experts, top-8, [128, 128] blocks): up to 256 tokens 16 x 64 x 128, 512
-    tokens 32 x 64 x 128, 1024 tokens 64 x 128 x 128, from 2048 tokens 128 x 128 x 128. On sm_90
-    (tests/kernels/compile_sm90.py, bf16 activations) 64 x 128 x 128 takes 198 registers and 72 KiB
-    of shared memory in W8A8, 128 x 128 x 128 at 8 warps 202 / 96 KiB (W8A8) and 210 / 160 KiB
-    (W8A16). Per-column scales (group_n = 1) cost registers: 226 (W8A8) and 250 (W8A16) at 64 x 128,
-    and 128-row tiles spill, hence the cap at 64 rows. block_m is a function of the routing size
-    and of wide_scales only, the same for both GEMMs of a call, as their shared alignment requires.
-    Not measured yet."""
+    Measured on an H200 at Qwen3-30B-A3B-FP8's shapes (128 experts, top-8, hidden 2048, intermediate
+    768, [128, 128] blocks; benchmarks/fp8_moe_sweep.py, both GEMMs of a layer, us): 64 tokens
+    16 x 64 272; 256 tokens 64 x 64 312 (16 x 64: 327); 512 tokens 64 x 64 335 (32 x 64: 429);
+    2048 tokens 64 x 128 633 (128 x 128 at 8 warps: 704); 4096 tokens 64 x 128 982 (1068); the bf16
+    grouped GEMM took 576, 608, 692, 947 and 1526. 128-row tiles were slower at every size.
+    block_m is a function of the routing size only, the same for both GEMMs of a call, as their
+    shared alignment requires."""
     rows = max(1, num_assign // max(1, num_experts))
-    block_m = min(128 if wide_scales else 64, max(16, 1 << (rows.bit_length() - 1)))
-    block_n = max(16, min(128 if block_m >= 64 else 64, triton.next_power_of_2(n)))
+    block_m = 16 if rows < 16 else 64
+    block_n = max(16, min(128 if rows >= 64 else 64, triton.next_power_of_2(n)))
     block_k = min(128, _pow2_divisor(k_group) if k_group else 128, max(16, triton.next_power_of_2(k)))
     if block_k < 16:
         raise ValueError(f"the scale groups ({k_group}) must be multiples of 16: tl.dot's K is at least 16")
-    return Fp8MoeGemmConfig(block_m, block_n, block_k, num_warps=8 if block_m == 128 else 4, num_stages=3)
+    return Fp8MoeGemmConfig(block_m, block_n, block_k, num_warps=4, num_stages=3)
 
 
 @triton.jit(do_not_specialize=["num_assign"])  # varies every step: no recompiles
@@ -273,9 +266,8 @@ def fused_experts_fp8_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.
         return torch.zeros_like(hidden)
     inter_size = two_i // 2
     span1, span2 = k_span(hidden_size, group_k, activation_group), k_span(inter_size, group_k, activation_group)
-    wide = group_n13 % 128 == 0 and group_n2 % 128 == 0
-    cfg1 = config or fp8_moe_gemm_config(num_assign, two_i, hidden_size, num_local, span1, wide)
-    cfg2 = config or fp8_moe_gemm_config(num_assign, hidden_size, inter_size, num_local, span2, wide)
+    cfg1 = config or fp8_moe_gemm_config(num_assign, two_i, hidden_size, num_local, span1)
+    cfg2 = config or fp8_moe_gemm_config(num_assign, hidden_size, inter_size, num_local, span2)
     for span, cfg in ((span1, cfg1), (span2, cfg2)):  # a K tile within one group of each scale
         assert span is None or span % cfg.block_k == 0, (cfg, group_k, activation_group)
     sorted_ids, block_expert = align_assignments(topk_ids, cfg1.block_m, num_local, expert_start)

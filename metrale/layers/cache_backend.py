@@ -27,6 +27,7 @@ _MODULES = {
                   "triton": "metrale.layers.attention.triton_backend"},
     "gdn": {"torch": "metrale.layers.linear_attention.torch_backend",
             "triton": "metrale.layers.linear_attention.triton_backend"},
+    "mla": {"torch": "metrale.layers.mla.torch_backend"},  # a Triton MLA backend does not exist yet
 }
 _REGISTRY: dict[tuple[str, str], type["CacheBackend"]] = {}
 

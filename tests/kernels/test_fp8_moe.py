@@ -138,18 +138,18 @@ def test_grouped_gemm_no_local_expert_gives_zeros():
 
 def test_grouped_gemm_config_rule():
     cfg = fp8_moe_gemm.fp8_moe_gemm_config
-    # Qwen3-30B-A3B, 128 experts, top-8, [128, 128] blocks: the docstring's table
-    assert cfg(8 * 256, 1536, 2048, 128, 128, True) == (16, 64, 128, 4, 3)
-    assert cfg(8 * 512, 2048, 768, 128, 128, True) == (32, 64, 128, 4, 3)
-    assert cfg(8 * 1024, 2048, 768, 128, 128, True) == (64, 128, 128, 4, 3)
-    assert cfg(8 * 4096, 1536, 2048, 128, 128, True) == (128, 128, 128, 8, 3)
-    assert cfg(8 * 4096, 1536, 2048, 128, 128, False) == (64, 128, 128, 4, 3)  # per-row scales: 64 rows
-    assert cfg(48, 96, 80, 4, 32, False) == (16, 64, 32, 4, 3)  # the tests' shapes
+    # Qwen3-30B-A3B, 128 experts, top-8, [128, 128] blocks: the docstring's measurements
+    assert cfg(8 * 64, 1536, 2048, 128, 128) == (16, 64, 128, 4, 3)
+    assert cfg(8 * 256, 1536, 2048, 128, 128) == (64, 64, 128, 4, 3)
+    assert cfg(8 * 512, 2048, 768, 128, 128) == (64, 64, 128, 4, 3)
+    assert cfg(8 * 2048, 1536, 2048, 128, 128) == (64, 128, 128, 4, 3)
+    assert cfg(8 * 4096, 1536, 2048, 128, 128) == (64, 128, 128, 4, 3)
+    assert cfg(48, 96, 80, 4, 32) == (16, 64, 32, 4, 3)  # the tests' shapes
     # a group of >= K features (one scale column) bounds nothing; a group of 8 is too narrow for tl.dot
     assert fp8_moe_gemm.k_span(768, 2048, 128) == 128 and fp8_moe_gemm.k_span(768, 2048, None) is None
-    assert cfg(64, 2048, 768, 8, None, True).block_k == 128
+    assert cfg(64, 2048, 768, 8, None).block_k == 128
     with pytest.raises(ValueError):
-        cfg(64, 64, 64, 8, 8, False)
+        cfg(64, 64, 64, 8, 8)
 
 
 # --------------------------------------------------------------------------- the small-batch GEMVs

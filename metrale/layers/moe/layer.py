@@ -8,7 +8,9 @@ Expert weights are stacked per layer, gate and up fused as in the dense MLP:
 where local_experts is this rank's contiguous expert range and local_intermediate its slice of
 each expert (see distributed/moe_layout.py). Routing always runs over all experts (the router is
 replicated; softmax routing is one fused launch on CUDA); assignments to experts held elsewhere
-contribute zero and one all-reduce over the layout's group sums the partial outputs. On CUDA,
+contribute zero and one all-reduce over the layout's group sums the partial outputs. Routing
+options (routing.py): the scoring function, renormalisation, a correction bias, DeepSeek-V3's
+group-limited choice (`num_expert_groups`, `topk_groups`) and `routed_scaling_factor`. On CUDA,
 decode-sized batches (up to kernels/moe_gemv.MAX_TOKENS tokens) take per-assignment GEMVs and
 larger ones the Triton grouped GEMM; other devices take the PyTorch loop.
 
@@ -26,7 +28,7 @@ from metrale.kernels import use_triton
 from metrale.distributed.moe_layout import MoEParallelLayout, get_moe_layout
 from metrale.layers.deferred_weights import new_weight
 from metrale.layers.moe.reference import fused_experts_reference
-from metrale.layers.moe.routing import SCORING_FUNCTIONS, select_experts
+from metrale.layers.moe.routing import SCORING_FUNCTIONS, check_group_limit, select_experts
 
 # Checkpoint projection -> our shard of w13/w2. Per-expert tensors are named either way
 # (Qwen/DeepSeek: gate/up/down_proj; Mixtral/MiniMax: w1/w3/w2); transformers' in-memory layout
@@ -38,13 +40,17 @@ STACKED_SHARD_OF = {"gate_up_proj": "w13", "down_proj": "w2"}
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  scoring: str = "softmax", renormalize: bool = True, use_correction_bias: bool = False,
-                 layout: MoEParallelLayout | None = None, reduce_results: bool = True):
+                 layout: MoEParallelLayout | None = None, reduce_results: bool = True,
+                 num_expert_groups: int = 1, topk_groups: int = 1, routed_scaling_factor: float = 1.0):
         super().__init__()
         if scoring not in SCORING_FUNCTIONS:
             raise ValueError(f"unknown MoE scoring function {scoring!r}; expected one of {SCORING_FUNCTIONS}")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k ({top_k}) must be between 1 and the number of experts ({num_experts})")
+        check_group_limit(num_experts, top_k, num_expert_groups, topk_groups)
         self.num_experts, self.top_k = num_experts, top_k
+        self.num_expert_groups, self.topk_groups = num_expert_groups, topk_groups
+        self.routed_scaling_factor = routed_scaling_factor
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.scoring, self.renormalize, self.reduce_results = scoring, renormalize, reduce_results
         self.layout = layout or get_moe_layout()
@@ -119,7 +125,7 @@ class FusedMoE(nn.Module):
         # transformers rounds softmax routing weights to the model dtype; sigmoid ones stay float32.
         dtype = router_logits.dtype if self.scoring == "softmax" else torch.float32
         return select_experts(router_logits, self.top_k, self.scoring, self.renormalize, self.e_score_correction_bias,
-                              dtype)
+                              dtype, self.num_expert_groups, self.topk_groups, self.routed_scaling_factor)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], router_logits [T, num_experts] -> [T, H], summed over the layout's ranks."""
@@ -143,4 +149,6 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts} (local {self.expert_start}..{self.expert_end - 1}), top_k={self.top_k}, "
                 f"hidden={self.hidden_size}, intermediate={self.intermediate_size} (local {self.local_intermediate}), "
-                f"scoring={self.scoring}, renormalize={self.renormalize}")
+                f"scoring={self.scoring}, renormalize={self.renormalize}"
+                + (f", groups={self.topk_groups} of {self.num_expert_groups}" if self.num_expert_groups > 1 else "")
+                + (f", scaling={self.routed_scaling_factor}" if self.routed_scaling_factor != 1.0 else ""))

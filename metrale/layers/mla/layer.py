@@ -1,0 +1,151 @@
+"""MLAAttention: multi-head latent attention (DeepSeek-V2/V3 and the families built on it), the
+whole token mixer: projections, norms, RoPE, the latent cache, attention, output projection.
+
+    q          = q_b_proj(q_a_layernorm(q_a_proj(x)))  or  q_proj(x) without a q_lora_rank,
+                 heads of [qk_nope | qk_rope]
+    [c | k_pe] = kv_a_proj_with_mqa(x);  c_kv = kv_a_layernorm(c)
+    RoPE on q's rope part and on k_pe (one head, shared by every query head)
+    cache     <- [c_kv | k_pe] per token
+    heads      = attention over the context's latents (layers/mla/backend.py: up-projected
+                 through kv_b_proj for prefill, absorbed for decode), v_head_dim each
+    out        = o_proj(heads)
+
+Submodules carry the checkpoint's names (q_a_proj, q_a_layernorm, q_b_proj or q_proj,
+kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj). The post-load hook splits kv_b_proj's
+weight into W_UK [heads, qk_nope, rank] and W_UV [heads, v, rank] for the absorbed form: views of
+that weight, so no second copy exists and the memory plan's weight bytes stay exact.
+
+It is a CachedLayer of kind "mla": one paged spec of one plane of [kv_lora_rank +
+qk_rope_head_dim] per token in the model dtype, under the block table every paged cache shares.
+An fp8 cache is refused (--kv-cache-dtype fp8 quantizes K/V with per-layer scales; a latent
+cache has no such path yet); `--kv-cache-dtype-skip-layers` may keep MLA layers out of it.
+
+Tensor parallelism: heads split over the ranks (q_b_proj / q_proj and kv_b_proj column-parallel,
+their rows head-major; o_proj row-parallel); q_a_proj, kv_a_proj_with_mqa and both norms are
+replicated, so the latent, and so the cache, is the same on every rank.
+
+RoPE, as transformers' DeepseekV3Attention: with `rope_interleaved` (rope_interleave, DeepSeek's
+checkpoints) dimension pairs (0, 1), (2, 3), ... share a frequency, and the rotated vector comes
+out de-interleaved ([rotated evens | rotated odds]); the layer de-interleaves before a neox
+rotation, which computes exactly that. Without it, a plain neox rotation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from metrale.config.cache_config import FP8, CacheConfig
+from metrale.config.errors import OptionError
+from metrale.distributed.parallel_state import get_tp_group
+from metrale.layers.cache_spec import PagedCacheSpec
+from metrale.layers.forward_context import get_forward_context
+from metrale.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, divide
+from metrale.layers.mla.backend import LatentUpProjection
+from metrale.layers.norm import RMSNorm
+
+KIND = "mla"
+
+
+@dataclass(frozen=True)
+class MLADims:
+    hidden_size: int
+    num_heads: int  # all ranks together
+    q_lora_rank: int | None  # None: one plain q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """One token's cache entry: the latent and the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, dims: MLADims, layer_index: int, rotary: nn.Module, scale: float,
+                 latent_norm_eps: float = 1e-6, rope_interleaved: bool = False):
+        """`rotary`: a neox-style RotaryEmbedding of qk_rope_head_dim; `scale`: the softmax scale
+        (qk_head_dim ** -0.5, times any yarn mscale the model applies); `latent_norm_eps`: the
+        eps of q_a_layernorm and kv_a_layernorm."""
+        super().__init__()
+        self.dims, self.layer_index, self.scale = dims, layer_index, scale
+        self.rope_interleaved = rope_interleaved
+        self.num_heads = divide(dims.num_heads, get_tp_group().size, "number of attention heads")
+        if dims.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(dims.hidden_size, dims.num_heads * dims.qk_head_dim)
+        else:
+            self.q_a_proj = ReplicatedLinear(dims.hidden_size, dims.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(dims.q_lora_rank, latent_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(dims.q_lora_rank, dims.num_heads * dims.qk_head_dim)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(dims.hidden_size, dims.latent_dim)
+        self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, latent_norm_eps)
+        self.kv_b_proj = ColumnParallelLinear(dims.kv_lora_rank, dims.num_heads * (dims.qk_nope_head_dim
+                                                                                   + dims.v_head_dim))
+        self.o_proj = RowParallelLinear(dims.num_heads * dims.v_head_dim, dims.hidden_size)
+        self.rotary_emb = rotary
+        # Set by the post-load hook: kv_b_proj as the backends read it.
+        self.up: LatentUpProjection | None = None
+        # Bound by the model runner once the pool exists: [num_blocks, block_size, latent_dim].
+        self.latent_cache: torch.Tensor | None = None
+
+    # -- the cache ---------------------------------------------------------------------------
+
+    def cache_specs(self, config: CacheConfig) -> tuple[PagedCacheSpec]:
+        dtype = config.kv_dtype(self.layer_index)
+        if dtype == FP8:
+            raise OptionError(f"--kv-cache-dtype fp8 does not apply to the MLA latent cache of layer "
+                              f"{self.layer_index} yet: run MLA models with --kv-cache-dtype auto")
+        return (PagedCacheSpec(KIND, 1, (self.dims.latent_dim,), dtype),)
+
+    def bind_caches(self, caches: tuple[torch.Tensor, ...] | None) -> None:
+        self.latent_cache = None if caches is None else caches[0][0]
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def process_weights_after_loading(self) -> None:
+        d = self.dims
+        weight = self.kv_b_proj.weight.view(self.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+        self.up = LatentUpProjection(self.kv_b_proj, weight[:, :d.qk_nope_head_dim], weight[:, d.qk_nope_head_dim:])
+
+    # -- the forward pass --------------------------------------------------------------------
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size] (summed over the TP ranks)."""
+        if self.latent_cache is None:
+            raise RuntimeError(f"the latent cache is not bound to the MLA attention of layer {self.layer_index}")
+        d = self.dims
+        ctx = get_forward_context()
+        backend, metadata = ctx.backends[KIND], ctx.metadata[KIND]
+        q = self._query(hidden).view(-1, self.num_heads, d.qk_head_dim)
+        q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)
+        q_pe, k_pe = self._rope(positions, q_pe, k_pe.unsqueeze(1))
+        backend.write_latent(kv_c, k_pe.squeeze(1), self.latent_cache, metadata.slot_mapping)
+        heads = backend.forward(q_nope, q_pe, self.latent_cache, self.up, metadata, self.scale)
+        return self.o_proj(heads.reshape(-1, self.num_heads * d.v_head_dim))
+
+    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.dims.q_lora_rank is None:
+            return self.q_proj(hidden)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+
+    def _rope(self, positions, q_pe, k_pe):
+        """q_pe [T, heads, rope], k_pe [T, 1, rope] -> both rotated (the rotary may work in place:
+        the views' columns are read as nothing else)."""
+        if self.rope_interleaved:
+            q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+        return self.rotary_emb(positions, q_pe, k_pe)
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[x0, x1, x2, x3, ...] -> [x0, x2, ... | x1, x3, ...] along the last dimension."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)

@@ -1,0 +1,121 @@
+"""DeepSeek-V3 (MLA attention, group-limited MoE): greedy token ids identical to transformers,
+float32, on tiny random checkpoints (tests/mla_checkpoints.py; a low-rank and a plain query).
+
+As test_moe_vs_hf.py: seven prompts of lengths 1..250 together, then the same prompts again on
+the same engine, whose prefixes now hit the cache; every prompt chunked by a 16-token step
+budget; a KV pool so small that requests are preempted and recomputed. Plus what the latent
+cache costs in the memory plan, the multi-token-prediction layers of a checkpoint ignored, and
+the refusals: an fp8 KV cache and a config option met does not implement.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from checkpoints import load_reference, reference_greedy
+from metrale import LLM, SamplingParams
+from metrale.config.engine_args import EngineArgs
+from metrale.config.errors import OptionError
+from metrale.config.model_config import ModelLoadError, load_model_config
+from metrale.models.registry import supported_architectures
+from metrale.startup.memory import plan_memory
+from mla_checkpoints import MLA_FAMILIES, make_mla_checkpoint
+from test_generation_vs_hf import NEW_TOKENS, generate, make_prompts
+
+FAMILIES = sorted(MLA_FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def mla_checkpoint(tmp_path_factory):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = make_mla_checkpoint(str(tmp_path_factory.mktemp(f"ckpt_{family}")), family)
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def expected(mla_checkpoint):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            model = load_reference(mla_checkpoint(family))
+            cache[family] = [reference_greedy(model, p, NEW_TOKENS) for p in make_prompts()]
+        return cache[family]
+
+    return get
+
+
+def assert_idle(llm):
+    kv = llm.llm_engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_then_prefix_hits_match_transformers(family, mla_checkpoint, expected):
+    llm = LLM(mla_checkpoint(family), dtype="float32", device="cpu", block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts()]
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    kv = llm.llm_engine.scheduler.kv
+    hits = kv.prefix_hits_total
+    second = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert first == second == expected(family)
+    assert kv.prefix_hits_total > hits  # every prompt of 9+ tokens reused its cached latents
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_matches_transformers(family, mla_checkpoint, expected):
+    llm, tokens = generate(mla_checkpoint(family), max_num_batched_tokens=16)
+    assert tokens == expected(family)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_preemption_matches_transformers(family, mla_checkpoint, expected):
+    # 70 blocks of 4 = 280 tokens for ~700 tokens of requests; the longest (262) still fits alone.
+    llm, tokens = generate(mla_checkpoint(family), num_kv_blocks=70, block_size=4, max_num_batched_tokens=32)
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    assert tokens == expected(family)
+    assert_idle(llm)
+
+
+def test_memory_plan_counts_one_latent_per_token_and_layer(mla_checkpoint):
+    path = mla_checkpoint("deepseek_v3")
+    args = EngineArgs(model=path, dtype="bfloat16")
+    config = load_model_config(path, args.dtype, torch.device("cpu"), None, supported_architectures())
+    plan = plan_memory(args, config, torch.device("cpu"))
+    assert plan.kv_bytes_per_token == 3 * (32 + 16) * 2  # 3 layers x [kv_lora_rank + qk_rope] x bf16
+    assert "mla: 3 layer(s) 0-2, 1 x (48,) bfloat16 per token (96 B/token each)" in plan.table()
+
+
+def test_multi_token_prediction_layers_are_ignored(mla_checkpoint, expected, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = str(tmp_path / "with_mtp")
+    shutil.copytree(mla_checkpoint("deepseek_v3"), path)
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    mtp = {name.replace("model.layers.2.", "model.layers.3."): t.clone() for name, t in weights.items()
+           if name.startswith("model.layers.2.")}
+    mtp["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file({**weights, **mtp}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(path, dtype="float32", device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()[:3]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected("deepseek_v3")[:3]
+
+
+def test_fp8_kv_cache_is_refused_by_option_name(mla_checkpoint):
+    with pytest.raises(OptionError, match="--kv-cache-dtype fp8 does not apply to the MLA latent cache"):
+        LLM(mla_checkpoint("deepseek_v3"), device="cpu", kv_cache_dtype="fp8")
+
+
+def test_unsupported_config_options_are_refused_by_name(mla_checkpoint):
+    with pytest.raises(ModelLoadError, match="config options met does not implement: attention_bias=True"):
+        LLM(mla_checkpoint("deepseek_v3"), device="cpu", hf_overrides={"attention_bias": True})
