@@ -137,3 +137,19 @@ def test_measures():
     assert off.cosine < 1.0 and not off.within(Tolerance(1e-4, 0.99999))
     assert Tolerance.for_dtype("bfloat16").max_rel > Tolerance.for_dtype("float32").max_rel
     assert Tolerance.for_dtype("float32", max_rel=0.5) == Tolerance(0.5, 0.99999)
+
+
+def test_fp8_checkpoint_compares_on_its_dequantized_weights(tmp_path, capsys):
+    """A block-FP8 checkpoint: transformers runs the dequantized weights (its own FP8 loader needs a
+    GPU). Without activation quantization every tap agrees; with it (the default) the first layer
+    already differs by more than the float32 tolerance, and a note says why."""
+    from fp8_checkpoints import quantize_checkpoint
+
+    src = make_checkpoint(str(tmp_path / "src"), "qwen3", hidden_size=80, intermediate_size=144)
+    fp8, _ = quantize_checkpoint(src, str(tmp_path / "fp8"), str(tmp_path / "ref"), (32, 32))
+    args = ["circuit", "diff", "--model", fp8, "--dtype", "float32", "--device", "cpu", *CLI_PROMPT]
+    assert main(args + ["--activation-quantization", "none"]) == 0
+    assert "all 7 taps within tolerance" in capsys.readouterr().out
+    assert main(args) == 1
+    out, err = capsys.readouterr()
+    assert "first divergence: layers.0.self_attn" in out and "activation quantization" in err
