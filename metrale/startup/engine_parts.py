@@ -139,8 +139,9 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
     if tokenizer is not None:  # every rank: each compiles the grammars of the requests it samples
         runner.attach_grammars(GrammarCache(tokenizer, runner.sampled_vocab_size or config.vocab_size,
                                             args.structured_outputs_timeout))
+    weight_format = f", {plan.weight_format}" if plan.weight_format else ""
     log.phase("weights", f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
-                         f"{plan.weight_bytes / 2**30:.2f} GiB")
+                         f"{plan.weight_bytes / 2**30:.2f} GiB{weight_format}")
     if runner.layout.has_state:
         logger.info("linear-attention recurrent state dtype: %s (--ssm-h-dtype)", args.ssm_h_dtype)
 
