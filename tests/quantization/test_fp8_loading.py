@@ -167,7 +167,7 @@ def test_a_tp_split_through_an_input_block_is_refused_with_the_sizes_that_work(f
     path = _edited(fp8, tmp_path / "m", quantization=lambda q: {**q, "weight_block_size": [48, 48]},
                    tensors=lambda t: _requantized(t, 48))
     with pytest.raises(TopologyError, match=r"o_proj: its 128 input features split over 2 ranks into 64 per rank, "
-                                            r"which cuts the checkpoint's 48-wide FP8 scale blocks; tp sizes that "
+                                            r"which cuts the 48-wide groups its FP8 scales cover; tp sizes that "
                                             r"keep them whole: 1"):
         LLM(path, device="cpu", tp_size=2, num_kv_blocks=8)
 

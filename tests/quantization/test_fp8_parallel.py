@@ -54,3 +54,11 @@ def test_fp8_split_over_ranks_gives_one_ranks_tokens(name, sizes, checkpoints):
     fp8, expected = checkpoints(name)
     assert _greedy(fp8, activation_quantization="none", **sizes) == expected
     assert _greedy(fp8, **sizes) == _greedy(fp8)
+
+
+def test_online_fp8_split_over_ranks_gives_one_ranks_tokens(tmp_path):
+    """--quantization fp8 quantizes each full tensor before a rank takes its shard: tp=2 holds
+    exactly the weights one rank holds. (Its scale groups are 128 inputs wide, so the row-parallel
+    layers need 256 inputs here: 64-wide heads, intermediate 256.)"""
+    src = make_checkpoint(str(tmp_path / "src"), "qwen3", head_dim=64, intermediate_size=256)
+    assert _greedy(src, quantization="fp8", tp_size=2) == _greedy(src, quantization="fp8")

@@ -50,7 +50,7 @@ def _check_input_split(what: str, full: int, tp: int, block_k: int) -> None:
     if tp > 1 and (full // tp) % block_k:
         sizes = ", ".join(map(str, working_tp_sizes(full, block_k)))
         raise TopologyError(f"{what}: its {full} input features split over {tp} ranks into {full // tp} per rank, "
-                            f"which cuts the checkpoint's {block_k}-wide FP8 scale blocks; tp sizes that keep "
+                            f"which cuts the {block_k}-wide groups its FP8 scales cover; tp sizes that keep "
                             f"them whole: {sizes}")
 
 
