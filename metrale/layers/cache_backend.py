@@ -66,11 +66,13 @@ def _load(kind: str, name: str) -> bool:
 
 
 def get_backend(kind: str, name: str, device: torch.device) -> CacheBackend:
-    """`auto`: Triton on CUDA when it imports, else the PyTorch reference."""
+    """`auto`: Triton on CUDA when it imports, else the PyTorch reference; `kernels`: Triton on
+    any device where the kind has a Triton backend (the interpreter's `--forward eager` on the
+    CPU), else the reference."""
     if not backend_names(kind):
         raise ValueError(f"no backend serves cache kind {kind!r}; known kinds: {', '.join(sorted(_MODULES))}")
-    if name == "auto":
-        name = "triton" if device.type == "cuda" and _load(kind, "triton") else "torch"
+    if name in ("auto", "kernels"):
+        name = "triton" if (device.type == "cuda" or name == "kernels") and _load(kind, "triton") else "torch"
     if name not in backend_names(kind):
         raise ValueError(f"{kind} backend {name!r} does not exist; available: {', '.join(backend_names(kind))}")
     if not _load(kind, name):

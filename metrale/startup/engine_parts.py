@@ -133,7 +133,7 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
     if args.forward == "reference":  # asked for, not the CPU's default
         backend = "torch"
     elif forward == "eager" and device.type == "cpu" and backend == "auto":  # the interpreter (checks)
-        backend = "triton"
+        backend = "kernels"  # Triton for every kind that has it
     runner = ModelRunner(model, config, device, CacheConfig.from_args(args, config.dtype), backend, forward=forward)
     runner.sampled_vocab_size = sampled_vocab_size(config, tokenizer)
     if tokenizer is not None:  # every rank: each compiles the grammars of the requests it samples
