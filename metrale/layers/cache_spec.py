@@ -5,7 +5,7 @@ Two kinds of cache exist, and every stateful layer declares which it needs throu
 
 - a **paged** cache grows with the tokens of a request and is addressed through its block
   table: one tensor [planes, num_blocks, block_size, *token_shape] per spec (MHA K and V are two
-  planes of [kv_heads, head_dim]; an MLA latent would be one plane of [rank + rope_dim]);
+  planes of [kv_heads, head_dim]; an MLA latent is one plane of [rank + rope_dim]);
 - a **state** cache has a fixed size per request and is addressed by the request's state slot:
   one tensor [num_slots, *shape] per part (a Gated DeltaNet layer keeps a conv state and a
   recurrent state).

@@ -8,7 +8,7 @@ rank's slice. A piece the model needs but the checkpoint lacks is an error that 
 to the shard and the expert. FP8 weights and their `weight_scale_inv` load as pairs
 (loader/fp8_pairs.py). Once every tensor is in, each module that defines
 `process_weights_after_loading()` re-lays out or derives what it computes from (a post-load hook:
-Gated DeltaNet's float32 decay rates; MLA's absorbed projections and quantized layouts next).
+Gated DeltaNet's float32 decay rates, MLA's absorbed projections, FP8 scale layouts).
 """
 
 from __future__ import annotations
