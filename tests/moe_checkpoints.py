@@ -29,6 +29,18 @@ MOE_FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         num_experts=4, moe_intermediate_size=32, intermediate_size=96, shared_expert_intermediate_size=48,
         norm_topk_prob=False)),
+    # GLM-4.5: layer 0 dense (first_k_dense_replace), layer 1 DeepSeek-style MoE (8 routed experts in
+    # 4 groups, 2 kept per token, a shared expert, sigmoid scores with a correction bias, scaled),
+    # Q/K/V bias, per-head q/k norm, RoPE on half of each head.
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        head_dim=32, intermediate_size=96, moe_intermediate_size=32, first_k_dense_replace=1, n_routed_experts=8,
+        n_group=4, topk_group=2, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True)),
+    # GLM-4.5 without q/k norms (use_qk_norm False), one expert group, a quarter of each head rotated.
+    "glm4_moe_no_qk_norm": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        head_dim=32, intermediate_size=96, moe_intermediate_size=32, first_k_dense_replace=1, n_routed_experts=8,
+        n_group=1, topk_group=1, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=1.5,
+        partial_rotary_factor=0.25, use_qk_norm=False, attention_bias=True)),
 }
 
 
@@ -40,5 +52,9 @@ def make_moe_checkpoint(path: str, family: str, seed: int = 0, **overrides) -> s
             if name.endswith("e_score_correction_bias"):
                 # transformers initialises it to zero; a real one changes which experts win.
                 buffer.copy_(torch.rand(buffer.shape) * 0.5)
+        if model_name == "Glm4MoeForCausalLM":
+            for name, param in model.named_parameters():
+                if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+                    param.copy_(1.0 + torch.randn(param.shape) * 0.3)  # not all ones: a missed norm shows
 
     return save_random_model(path, config_name, model_name, {**_COMMON, **extra, **overrides}, seed, edit=edit)
