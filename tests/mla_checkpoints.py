@@ -29,6 +29,20 @@ MLA_FAMILIES = {
     "deepseek_v3_plain_q": dict(q_lora_rank=None, rope_interleave=False, norm_topk_prob=False),
 }
 
+# DeepSeek-V3's config.json as published, without its quantization_config (DEEPSEEK_V3_FP8 has it).
+DEEPSEEK_V3 = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+    n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+    first_k_dense_replace=3, norm_topk_prob=True, hidden_act="silu", max_position_embeddings=163840,
+    rms_norm_eps=1e-6, vocab_size=129280, topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1,
+    num_nextn_predict_layers=1, tie_word_embeddings=False, torch_dtype="bfloat16", rope_theta=10000,
+    rope_scaling=dict(type="yarn", factor=40, mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1,
+                      original_max_position_embeddings=4096))
+DEEPSEEK_V3_FP8 = dict(DEEPSEEK_V3, quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                                                           weight_block_size=[128, 128]))
+
 
 def make_mla_checkpoint(path: str, family: str = "deepseek_v3", seed: int = 0, **overrides) -> str:
     def edit(model):

@@ -126,11 +126,18 @@ class MemoryPlan:
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
+    """The weights' bytes: every parameter once, plus what modules derive from their weights
+    after loading and keep (`derived_weight_bytes()`: MLA's dequantized W_UK / W_UV of an FP8
+    kv_b_proj)."""
     seen, total = set(), 0
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
             total += p.numel() * p.element_size()
+    for module in model.modules():
+        derived = getattr(module, "derived_weight_bytes", None)
+        if derived is not None:
+            total += derived()
     return total
 
 

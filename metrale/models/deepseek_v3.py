@@ -17,8 +17,14 @@ non-zero mscale_all_dim (yarn).
 Checkpoint names are transformers' (DeepSeek's own): the router `mlp.gate.weight` with its
 `mlp.gate.e_score_correction_bias` (ours lives on the experts), `mlp.shared_experts.*`, experts
 per expert. The multi-token-prediction layers (`model.layers.{num_hidden_layers + i}.*`, i below
-num_nextn_predict_layers) are not run and are ignored. Options this implementation does not run
-are refused by name (`unsupported_options`).
+num_nextn_predict_layers) are not run and are ignored, their FP8 scales with them. Options this
+implementation does not run are refused by name (`unsupported_options`).
+
+Block-FP8 weights (DeepSeek's published checkpoints: [128, 128] blocks, float32 weight_scale_inv)
+load through the shared quantization pass: every MLA projection, the dense and shared-expert
+MLPs and the routed experts are FP8; the float32 router and its correction bias, the norms,
+embeddings and LM head are not (a router stored in FP8 is refused, naming the tensor). How MLA
+reads an FP8 kv_b_proj: layers/mla/layer.py.
 """
 
 from __future__ import annotations
@@ -98,10 +104,6 @@ class DeepseekV3ForCausalLM(CausalLM):
         if unsupported:
             raise ModelLoadError(f"{config.architecture}: config options met does not implement: "
                                  f"{', '.join(unsupported)}")
-        if config.quantization is not None:
-            raise ModelLoadError(f"{config.architecture}: FP8 weights ({config.quantization.describe()}) are not "
-                                 f"supported with MLA yet (the absorbed decode reads kv_b_proj unquantized); use a "
-                                 f"bfloat16 checkpoint and no --quantization")
         super().__init__(config)
         layers, mtp = hf.num_hidden_layers, getattr(hf, "num_nextn_predict_layers", 0) or 0
         self.ignored_checkpoint_prefixes = tuple(f"model.layers.{layers + i}." for i in range(mtp))

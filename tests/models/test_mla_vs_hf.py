@@ -7,7 +7,7 @@ budget; a KV pool so small that requests are preempted and recomputed. Plus what
 cache costs in the memory plan (the tiny model's, and DeepSeek-V3's 576-wide latent), tensor
 parallelism over two CPU ranks (heads split, the latent replicated), the multi-token-prediction
 layers of a checkpoint ignored, and the refusals: an fp8 KV cache and a config option met does
-not implement.
+not implement. FP8 weights: tests/quantization/test_fp8_deepseek.py.
 """
 
 import json
@@ -25,7 +25,7 @@ from metrale.config.model_config import ModelLoadError, load_model_config
 from metrale.models.registry import supported_architectures
 from parallel_cases import free_port
 from metrale.startup.memory import plan_memory
-from mla_checkpoints import MLA_FAMILIES, make_mla_checkpoint
+from mla_checkpoints import DEEPSEEK_V3, MLA_FAMILIES, make_mla_checkpoint
 from test_generation_vs_hf import NEW_TOKENS, generate, make_prompts
 
 FAMILIES = sorted(MLA_FAMILIES)
@@ -109,19 +109,6 @@ def test_tensor_parallel_heads_match_transformers(mla_checkpoint, expected):
     assert tokens == expected("deepseek_v3")
 
 
-# DeepSeek-V3's config.json as published, without its quantization_config (FP8 weights are refused).
-DEEPSEEK_V3 = dict(
-    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432,
-    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
-    n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
-    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
-    first_k_dense_replace=3, norm_topk_prob=True, hidden_act="silu", max_position_embeddings=163840,
-    rms_norm_eps=1e-6, vocab_size=129280, topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1,
-    num_nextn_predict_layers=1, tie_word_embeddings=False, torch_dtype="bfloat16", rope_theta=10000,
-    rope_scaling=dict(type="yarn", factor=40, mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1,
-                      original_max_position_embeddings=4096))
-
-
 def test_memory_plan_of_deepseek_v3(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
     args = EngineArgs(model=str(tmp_path), load_format="dummy", max_model_len=32768,
@@ -157,5 +144,3 @@ def test_fp8_kv_cache_is_refused_by_option_name(mla_checkpoint):
 def test_unsupported_config_options_are_refused_by_name(mla_checkpoint):
     with pytest.raises(ModelLoadError, match="config options met does not implement: attention_bias=True"):
         LLM(mla_checkpoint("deepseek_v3"), device="cpu", hf_overrides={"attention_bias": True})
-    with pytest.raises(ModelLoadError, match="FP8 weights .* are not supported with MLA yet"):
-        LLM(mla_checkpoint("deepseek_v3"), device="cpu", quantization="fp8")

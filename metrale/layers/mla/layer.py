@@ -15,6 +15,15 @@ kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj). The post-load hook split
 weight into W_UK [heads, qk_nope, rank] and W_UV [heads, v, rank] for the absorbed form: views of
 that weight, so no second copy exists and the memory plan's weight bytes stay exact.
 
+FP8 weights (layers/quantization): every projection is a met linear layer, so the quantization
+pass makes each FP8 like any other, and the forward runs them through their own matmuls
+(kv_b_proj's included: the up-projected form calls the layer). The absorbed form needs W_UK and
+W_UV as plain tensors, so when kv_b_proj is FP8 the post-load hook dequantizes its weight once
+(its scale layout: weight_scale_inv, group_n, block_k) into one copy in the model dtype, and
+W_UK / W_UV are views of that copy: heads x (qk_nope + v) x rank values per layer and rank (32 MiB
+on DeepSeek-V3 in bfloat16), which `derived_weight_bytes` reports to the memory plan. Nothing
+else reads a projection's weight directly.
+
 It is a CachedLayer of kind "mla": one paged spec of one plane of [kv_lora_rank +
 qk_rope_head_dim] per token in the model dtype, under the block table every paged cache shares.
 An fp8 cache is refused (--kv-cache-dtype fp8 quantizes K/V with per-layer scales; a latent
@@ -40,6 +49,7 @@ from torch import nn
 from metrale.config.cache_config import FP8, CacheConfig
 from metrale.config.errors import OptionError
 from metrale.distributed.parallel_state import get_tp_group
+from metrale.kernels.fp8_math import dequantize_weight
 from metrale.layers.cache_spec import PagedCacheSpec
 from metrale.layers.forward_context import get_forward_context
 from metrale.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, divide
@@ -91,6 +101,8 @@ class MLAAttention(nn.Module):
                                                                                    + dims.v_head_dim))
         self.o_proj = RowParallelLinear(dims.num_heads * dims.v_head_dim, dims.hidden_size)
         self.rotary_emb = rotary
+        # The model dtype (construction runs under it): what an FP8 kv_b_proj is dequantized to.
+        self.model_dtype = torch.get_default_dtype()
         # Set by the post-load hook: kv_b_proj as the backends read it.
         self.up: LatentUpProjection | None = None
         # Bound by the model runner once the pool exists: [num_blocks, block_size, latent_dim].
@@ -111,9 +123,23 @@ class MLAAttention(nn.Module):
     # -- weights -----------------------------------------------------------------------------
 
     def process_weights_after_loading(self) -> None:
-        d = self.dims
-        weight = self.kv_b_proj.weight.view(self.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
-        self.up = LatentUpProjection(self.kv_b_proj, weight[:, :d.qk_nope_head_dim], weight[:, d.qk_nope_head_dim:])
+        """W_UK and W_UV from kv_b_proj: views of its weight, or of one dequantized copy when it is
+        FP8 (runs after kv_b_proj's own hook has settled its scale layout)."""
+        d, kv_b = self.dims, self.kv_b_proj
+        weight = kv_b.weight
+        if kv_b.fp8 is not None:
+            weight = dequantize_weight(weight, kv_b.weight_scale_inv, kv_b.fp8.group_n, kv_b.fp8.block_k,
+                                       self.model_dtype)
+        weight = weight.view(self.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+        self.up = LatentUpProjection(kv_b, weight[:, :d.qk_nope_head_dim], weight[:, d.qk_nope_head_dim:])
+
+    def derived_weight_bytes(self) -> int:
+        """Bytes the post-load hook adds beyond the parameters (the memory plan counts them, from
+        the meta-device build): the dequantized copy of an FP8 kv_b_proj, else nothing."""
+        if self.kv_b_proj.fp8 is None:
+            return 0
+        rows, cols = self.kv_b_proj.weight.shape
+        return rows * cols * (torch.finfo(self.model_dtype).bits // 8)
 
     # -- the forward pass --------------------------------------------------------------------
 
