@@ -39,6 +39,7 @@ SOURCES = {
     "qwen3_moe": lambda d: make_moe_checkpoint(d, "qwen3_moe", hidden_size=80),
     "minimax_m2": lambda d: make_moe_checkpoint(d, "minimax_m2", hidden_size=80),
     "qwen3_next": lambda d: make_hybrid_checkpoint(d, "qwen3_next"),
+    "glm4_moe": lambda d: make_moe_checkpoint(d, "glm4_moe", hidden_size=80),
 }
 # (source, scale dtype, modules_to_not_convert)
 VARIANTS = {
@@ -48,6 +49,7 @@ VARIANTS = {
     "qwen3_moe": ("qwen3_moe", torch.float32, ()),
     "minimax_m2": ("minimax_m2", torch.float32, ()),
     "qwen3_next": ("qwen3_next", torch.float32, ()),
+    "glm4_moe": ("glm4_moe", torch.float32, ()),  # q/k/v bias, partial rotary, DeepSeek-style MoE
     # As the published Qwen3-Next FP8 checkpoint: in_proj_ba unquantized beside the FP8 in_proj_qkvz
     # that met merges it with, so met quantizes it as it loads.
     "qwen3_next-ba-unconverted": ("qwen3_next", torch.float32, ("linear_attn.in_proj_ba",)),
