@@ -88,8 +88,9 @@ class CachedLayer(Protocol):
 
 def cached_layers(model: nn.Module) -> list[CachedLayer]:
     """The model's stateful modules, in model order. Two of one kind may not share a layer
-    number: scales and skip lists would not know which one they name."""
-    layers = [m for m in model.modules() if isinstance(m, CachedLayer)]
+    number: scales and skip lists would not know which one they name. A layer marked
+    `drafter_only` (a multi-token-prediction layer's attention, models/mtp.py) has no cache yet."""
+    layers = [m for m in model.modules() if isinstance(m, CachedLayer) and not getattr(m, "drafter_only", False)]
     seen: set[tuple[str, int]] = set()
     for layer in layers:
         key = (type(layer).__name__, layer.layer_index)

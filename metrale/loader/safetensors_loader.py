@@ -8,8 +8,10 @@ loading them runs arbitrary code.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
+import struct
 from collections.abc import Iterator
 
 import torch
@@ -72,3 +74,46 @@ def iterate_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, st.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise _unreadable(path, e) from None
+
+
+def tensor_locations(model_dir: str) -> dict[str, tuple[str, int, int]]:
+    """Every checkpoint tensor's (file, first byte, end byte), from the safetensors headers only;
+    {} where the directory holds no safetensors (its loading fails on its own, later)."""
+    try:
+        files = checkpoint_files(model_dir)
+    except ModelLoadError:
+        return {}
+    found = {}
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+        except (OSError, ValueError, struct.error):
+            continue  # corrupt: the loader says so when it reads the file
+        for name, info in header.items():
+            if name != "__metadata__":
+                start, end = info["data_offsets"]
+                found[name] = (path, 8 + size + start, 8 + size + end)
+    return found
+
+
+def sha256_of_tensors(model_dir: str, prefixes: tuple[str, ...], chunk: int = 64 << 20) -> tuple[int, str]:
+    """(tensors, hex sha256) of the checkpoint tensors whose names start with `prefixes`: sorted
+    by name, each its UTF-8 name then its raw bytes as stored, read from their byte ranges only."""
+    locations = tensor_locations(model_dir)
+    names = sorted(name for name in locations if name.startswith(prefixes))
+    digest = hashlib.sha256()
+    for name in names:
+        path, start, end = locations[name]
+        digest.update(name.encode())
+        with open(path, "rb") as f:
+            f.seek(start)
+            left = end - start
+            while left:
+                block = f.read(min(chunk, left))
+                if not block:
+                    raise _unreadable(path, EOFError(f"tensor {name} is truncated"))
+                digest.update(block)
+                left -= len(block)
+    return len(names), digest.hexdigest()

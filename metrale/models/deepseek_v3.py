@@ -17,8 +17,9 @@ non-zero mscale_all_dim (yarn).
 Checkpoint names are transformers' (DeepSeek's own): the router `mlp.gate.weight` with its
 `mlp.gate.e_score_correction_bias` (ours lives on the experts), `mlp.shared_experts.*`, experts
 per expert. The multi-token-prediction layers (`model.layers.{num_hidden_layers + i}.*`, i below
-num_nextn_predict_layers) are not run and are ignored, their FP8 scales with them. Options this
-implementation does not run are refused by name (`unsupported_options`).
+num_nextn_predict_layers) load into `model.mtp` where the checkpoint holds them (hashed, not run:
+models/mtp.py), and are ignored where it does not. Options this implementation does not run are
+refused by name (`unsupported_options`).
 
 Block-FP8 weights (DeepSeek's published checkpoints: [128, 128] blocks, float32 weight_scale_inv)
 load through the shared quantization pass: every MLA projection, the dense and shared-expert
@@ -41,6 +42,7 @@ from metrale.layers.moe import FusedMoE
 from metrale.layers.moe.router import Float32Router
 from metrale.layers.rotary import RotaryEmbedding, rope_parameters
 from metrale.models.common import CausalLM
+from metrale.models.mtp import attach_mtp_layers
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's, as the reference builds them
 
@@ -105,8 +107,7 @@ class DeepseekV3ForCausalLM(CausalLM):
             raise ModelLoadError(f"{config.architecture}: config options met does not implement: "
                                  f"{', '.join(unsupported)}")
         super().__init__(config)
-        layers, mtp = hf.num_hidden_layers, getattr(hf, "num_nextn_predict_layers", 0) or 0
-        self.ignored_checkpoint_prefixes = tuple(f"model.layers.{layers + i}." for i in range(mtp))
+        attach_mtp_layers(self, config)
 
     def make_layer(self, config: ModelConfig, layer_index: int) -> nn.Module:
         hf = config.hf_config

@@ -18,9 +18,10 @@ routed_scaling_factor, plus n_shared_experts shared experts as one SwiGLU.
 
 Checkpoint names are transformers' (ZhipuAI's own): q_proj/k_proj/v_proj (stacked into qkv_proj),
 `mlp.gate.weight` with `mlp.gate.e_score_correction_bias` (ours lives on the experts),
-`mlp.shared_experts.*`, experts per expert. The multi-token-prediction layers
-(`model.layers.{num_hidden_layers + i}.*`, i below num_nextn_predict_layers) are not run and are
-ignored. Options this implementation does not run are refused by name (`unsupported_options`).
+`mlp.shared_experts.*`, experts per expert. The multi-token-prediction (next-n) layers
+(`model.layers.{num_hidden_layers + i}.*`, i below num_nextn_predict_layers) load into `model.mtp`
+where the checkpoint holds them (hashed, not run: models/mtp.py), and are ignored where it does
+not. Options this implementation does not run are refused by name (`unsupported_options`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from metrale.layers.rotary import rope_parameters
 from metrale.models.common import CausalLM
 from metrale.models.deepseek_v3 import DeepseekV3MoE
 from metrale.models.llama import LlamaAttention
+from metrale.models.mtp import attach_mtp_layers
 
 
 def rotary_dim_of(config: ModelConfig) -> int:
@@ -75,9 +77,7 @@ class Glm4MoeForCausalLM(CausalLM):
             raise ModelLoadError(f"{config.architecture}: config options met does not implement: "
                                  f"{', '.join(unsupported)}")
         super().__init__(config)
-        hf = config.hf_config
-        layers, mtp = hf.num_hidden_layers, getattr(hf, "num_nextn_predict_layers", 0) or 0
-        self.ignored_checkpoint_prefixes = tuple(f"model.layers.{layers + i}." for i in range(mtp))
+        attach_mtp_layers(self, config)
 
     def make_layer(self, config: ModelConfig, layer_index: int) -> nn.Module:
         hf = config.hf_config

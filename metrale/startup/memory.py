@@ -23,9 +23,9 @@ from metrale.executor.model_loader import construct_model
 logger = logging.getLogger(__name__)
 
 
-def build_meta_model(config: ModelConfig) -> torch.nn.Module:
+def build_meta_model(config: ModelConfig, load_format: str = "auto") -> torch.nn.Module:
     """The model on the meta device: its parameters' sizes and its cache specs, no memory."""
-    return construct_model(config, torch.device("meta"))
+    return construct_model(config, torch.device("meta"), load_format)
 
 
 LM_HEAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,7 +41,7 @@ def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
                 device_total: int | None = None) -> MemoryPlan:
     """The plan before loading: exact weights and cache sizes from a meta-device build, estimated
     activations."""
-    meta_model = build_meta_model(config)
+    meta_model = build_meta_model(config, args.load_format)
     apply_lm_head_dtype(meta_model, args)  # its bytes count as they will be
     layout = CacheLayout.of(meta_model, CacheConfig.from_args(args, config.dtype))
     activation = estimate_activation_bytes(config.hf_config, config.dtype, args.step_token_budget(device.type),

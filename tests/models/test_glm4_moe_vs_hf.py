@@ -6,7 +6,8 @@ expert group).
 Seven prompts of lengths 1..250 together, then the same prompts again on the same engine, whose
 prefixes now hit the cache; every prompt chunked by a 16-token step budget; a KV pool so small
 that requests are preempted and recomputed; tensor parallelism over two CPU ranks. Plus the
-multi-token-prediction layer of a checkpoint ignored, and the config options met does not run
+multi-token-prediction layer of a checkpoint loaded without changing the tokens (more:
+test_mtp_weights.py), and the config options met does not run
 refused by name.
 """
 
@@ -98,7 +99,7 @@ def test_tensor_parallel_matches_transformers(glm_checkpoint, expected):
     assert tokens == expected("glm4_moe")
 
 
-def test_multi_token_prediction_layer_is_ignored(glm_checkpoint, expected, tmp_path):
+def test_multi_token_prediction_layer_leaves_the_tokens_unchanged(glm_checkpoint, expected, tmp_path):
     # GLM-4.5 ships its next-n layer as model.layers.{num_hidden_layers}.* (a decoder layer plus
     # eh_proj, enorm, hnorm, shared_head); config.json's num_nextn_predict_layers says so.
     from safetensors.torch import load_file, save_file

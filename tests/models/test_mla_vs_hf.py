@@ -6,7 +6,7 @@ the same engine, whose prefixes now hit the cache; every prompt chunked by a 16-
 budget; a KV pool so small that requests are preempted and recomputed. Plus what the latent
 cache costs in the memory plan (the tiny model's, and DeepSeek-V3's 576-wide latent), tensor
 parallelism over two CPU ranks (heads split, the latent replicated), the multi-token-prediction
-layers of a checkpoint ignored, and the refusals: an fp8 KV cache and a config option met does
+layer of a checkpoint loaded without changing the tokens (more: test_mtp_weights.py), and the refusals: an fp8 KV cache and a config option met does
 not implement. FP8 weights: tests/quantization/test_fp8_deepseek.py.
 """
 
@@ -120,7 +120,7 @@ def test_memory_plan_of_deepseek_v3(tmp_path):
     assert "mla: 4 layer(s) 0-3, 1 x (576,) bfloat16 per token (1,152 B/token each)" in plan.table()
 
 
-def test_multi_token_prediction_layers_are_ignored(mla_checkpoint, expected, tmp_path):
+def test_multi_token_prediction_layers_leave_the_tokens_unchanged(mla_checkpoint, expected, tmp_path):
     from safetensors.torch import load_file, save_file
 
     path = str(tmp_path / "with_mtp")
@@ -129,8 +129,10 @@ def test_multi_token_prediction_layers_are_ignored(mla_checkpoint, expected, tmp
     mtp = {name.replace("model.layers.2.", "model.layers.3."): t.clone() for name, t in weights.items()
            if name.startswith("model.layers.2.")}
     mtp["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    mtp.update({f"model.layers.3.{norm}.weight": torch.ones(64) for norm in ("enorm", "hnorm", "shared_head.norm")})
     save_file({**weights, **mtp}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     llm = LLM(path, dtype="float32", device="cpu")
+    assert len(llm.llm_engine.runner.model.mtp) == 1  # loaded (models/mtp.py), not run
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()[:3]], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected("deepseek_v3")[:3]

@@ -217,20 +217,25 @@ def test_memory_plan_of_deepseek_v3_fp8(tmp_path):
     assert "fp8 e4m3 weights ([128, 128] blocks)" in fp8.table()
 
 
-def test_fp8_router_is_refused_and_mtp_tensors_are_ignored(checkpoints, expected, tmp_path):
+def test_fp8_router_is_refused_and_mtp_tensors_load(checkpoints, expected, tmp_path):
     from safetensors.torch import save_file
 
     fp8 = checkpoints[0]
     tensors = _tensors(fp8)
-    # A multi-token-prediction layer (model.layers.3 of 3 layers), FP8 with its scales: ignored.
+    # A multi-token-prediction layer (model.layers.3 of 3 layers), FP8 with its scales: loaded into
+    # model.mtp (models/mtp.py), not run, the tokens unchanged.
     path = str(tmp_path / "with_mtp")
     shutil.copytree(fp8, path)
     mtp = {name.replace("model.layers.2.", "model.layers.3."): t.clone() for name, t in tensors.items()
            if name.startswith("model.layers.2.")}
     mtp["model.layers.3.eh_proj.weight"], mtp["model.layers.3.eh_proj.weight_scale_inv"] = \
         quantize_weight(torch.randn(80, 160), 32, 32)
+    mtp.update({f"model.layers.3.{norm}.weight": torch.ones(80) for norm in ("enorm", "hnorm", "shared_head.norm")})
     save_file({**tensors, **mtp}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     llm = LLM(path, dtype="float32", device="cpu", activation_quantization="none")
+    mtp_layer = llm.llm_engine.runner.model.mtp[0]
+    assert mtp_layer.eh_proj.weight.dtype == FP8_DTYPE and mtp_layer.block.self_attn.kv_b_proj.weight.dtype == FP8_DTYPE
+    assert llm.llm_engine.runner.model.mtp_tensor_count == len(mtp)  # the scales are hashed with the weights
     assert _greedy(llm, make_prompts()[:3]) == expected[:3]
     llm.close()
     # A router stored in FP8: refused, naming it.

@@ -1,0 +1,150 @@
+"""Multi-token-prediction (next-n) layers of DeepSeek-V3 and GLM-4.5 checkpoints: loaded, hashed
+and kept for speculative decoding; nothing runs them yet (the drafter step comes with it).
+
+A checkpoint of `num_hidden_layers` N carries layer i of `num_nextn_predict_layers` as
+`model.layers.{N + i}.*`:
+
+    enorm, hnorm              RMSNorm of the next token's embedding and of the trunk's hidden state
+    eh_proj                   Linear 2H -> H over [enorm(embedding), hnorm(hidden)] (replicated)
+    self_attn, mlp, input_layernorm, post_attention_layernorm
+                              one decoder layer, the one the family builds for layer N + i (MoE)
+    shared_head.norm          RMSNorm before the head
+    shared_head.head          the LM head (DeepSeek stores a copy; optional: else the model's)
+    embed_tokens              the embedding (DeepSeek stores a copy; optional: else the model's)
+
+Here layer i is `model.mtp[i]` (an `MTPLayer`, its decoder layer as `block`), outside
+`model.layers`, so the main forward never runs it; `mtp_checkpoint_renames` maps the names. The
+family builds the layers its config declares only where the checkpoint holds them: whether it
+does is read from the safetensors headers before building (`held_mtp_layers`), so a stripped
+checkpoint whose config still declares them loads as before, with no MTP. A layer the checkpoint
+holds in part is an error naming what is missing (the loader's check). `--load-format dummy`
+never builds them (transformers' reference model, which draws the dummy weights, has none).
+
+Caches: the MTP decoder layer's attention is marked `drafter_only` and `cached_layers` skips it,
+so the cache layout, the KV pool and the memory plan are as without MTP but for the weights'
+bytes. The drafter step brings the cache its attention needs.
+
+Hash: sha256 over the MTP tensors as stored, in name order, each its name (UTF-8) then its raw
+bytes read from the safetensors file (FP8 scales included). Computed once the weights are in
+(executor/model_loader.py with loader/safetensors_loader.py's `sha256_of_tensors`), from those
+tensors' byte ranges only (the rest of the checkpoint is not read again), logged at startup
+(`MTP: 1 layer(s), 123 tensors, ..., sha256 ...`) and kept as `model.mtp_sha256` (with
+`model.mtp_tensor_count`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+from torch import nn
+
+from metrale.config.model_config import ModelConfig
+from metrale.layers.linear import ReplicatedLinear
+from metrale.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+
+DECODER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+
+_names: contextvars.ContextVar[frozenset] = contextvars.ContextVar("met_checkpoint_names", default=frozenset())
+
+
+@contextlib.contextmanager
+def checkpoint_tensor_names(names):
+    """Inside, families build the MTP layers these checkpoint tensor names hold. construct_model
+    (executor/model_loader.py) passes the checkpoint's, read from its headers, or none for dummy
+    weights; a model built outside it has no MTP layers."""
+    token = _names.set(frozenset(names))
+    try:
+        yield
+    finally:
+        _names.reset(token)
+
+
+def mtp_prefix(config: ModelConfig, i: int) -> str:
+    return f"model.layers.{config.hf_config.num_hidden_layers + i}."
+
+
+def declared_mtp_layers(config: ModelConfig) -> int:
+    return getattr(config.hf_config, "num_nextn_predict_layers", 0) or 0
+
+
+def held_mtp_layers(config: ModelConfig) -> list[dict[str, bool]]:
+    """For each MTP layer the config declares and the checkpoint holds (from layer 0 on, while
+    held): whether it stores its own `embed_tokens` and `shared_head.head`."""
+    declared, names = declared_mtp_layers(config), _names.get()
+    held = []
+    for i in range(declared):
+        prefix = mtp_prefix(config, i)
+        if not any(name.startswith(prefix) for name in names):
+            break
+        held.append(dict(embed_tokens=f"{prefix}embed_tokens.weight" in names,
+                         head=f"{prefix}shared_head.head.weight" in names))
+    return held
+
+
+def mtp_checkpoint_renames(config: ModelConfig, count: int) -> tuple[tuple[str, str], ...]:
+    """Checkpoint names of MTP layer i (`model.layers.{N + i}.*`) -> `mtp.{i}.*`, the decoder
+    layer's parts under `mtp.{i}.block.`."""
+    renames = []
+    for i in range(count):
+        prefix = mtp_prefix(config, i)
+        renames += [(f"{prefix}{part}.", f"mtp.{i}.block.{part}.") for part in DECODER_PARTS]
+        renames.append((prefix, f"mtp.{i}."))
+    return tuple(renames)
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config: ModelConfig, norm: type[nn.Module], own_head: bool):
+        super().__init__()
+        self.norm = norm(config.hidden_size, config.hf_config.rms_norm_eps)
+        self.head = ParallelLMHead(config.vocab_size, config.hidden_size) if own_head else None
+
+
+class MTPLayer(nn.Module):
+    """One next-n layer's weights. Not run yet: the drafter step (speculative decoding) will
+    compute block(eh_proj([enorm(embed(next token)), hnorm(hidden)])) and shared_head on it."""
+
+    def __init__(self, config: ModelConfig, block: nn.Module, norm: type[nn.Module], own_embedding: bool,
+                 own_head: bool):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.hf_config.rms_norm_eps
+        self.enorm = norm(hidden, eps)
+        self.hnorm = norm(hidden, eps)
+        self.eh_proj = ReplicatedLinear(2 * hidden, hidden, bias=False)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden) if own_embedding else None
+        self.shared_head = SharedHead(config, norm, own_head)
+        self.block = block
+        for module in block.modules():
+            if hasattr(module, "cache_specs"):
+                module.drafter_only = True  # cached_layers skips it: no cache until the drafter runs
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError("the MTP drafter step comes with speculative decoding")
+
+
+def attach_mtp_layers(model: nn.Module, config: ModelConfig) -> None:
+    """A family's __init__, after the trunk: `model.mtp` (the layers the checkpoint holds), the
+    name mapping onto them, and the declared layers the checkpoint lacks ignored."""
+    held = held_mtp_layers(config)
+    n = config.hf_config.num_hidden_layers
+    if held:
+        model.mtp = nn.ModuleList(
+            MTPLayer(config, model.make_layer(config, n + i), model.norm, layer["embed_tokens"], layer["head"])
+            for i, layer in enumerate(held))
+        model.checkpoint_renames = type(model).checkpoint_renames + mtp_checkpoint_renames(config, len(held))
+    model.mtp_sha256 = None
+    model.mtp_tensor_count = 0
+    model.ignored_checkpoint_prefixes = tuple(mtp_prefix(config, i)
+                                              for i in range(len(held), declared_mtp_layers(config)))
+
+
+def mtp_prefixes(model: nn.Module, config: ModelConfig) -> tuple[str, ...]:
+    """The checkpoint name prefixes of the MTP layers the model holds (none: ())."""
+    return tuple(mtp_prefix(config, i) for i in range(len(getattr(model, "mtp", ()))))
+
+
+def mtp_parameter_bytes(model: nn.Module) -> int:
+    layers = getattr(model, "mtp", None)
+    if not layers:
+        return 0
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in layers.parameters()}.values())
