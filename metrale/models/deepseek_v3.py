@@ -96,23 +96,34 @@ class DeepseekV3MoE(nn.Module):
         return out
 
 
+def deepseek_mlp(config: ModelConfig, layer_index: int) -> nn.Module:
+    """A dense SwiGLU in the first `first_k_dense_replace` layers, the DeepSeek MoE block after."""
+    hf = config.hf_config
+    if layer_index < (hf.first_k_dense_replace or 0):
+        return GatedMLP(config.hidden_size, hf.intermediate_size)
+    return DeepseekV3MoE(config)
+
+
 class DeepseekV3ForCausalLM(CausalLM):
+    """The DeepSeek-V3 trunk; GLM-4.5 (models/glm4_moe.py) is the same with its own attention."""
+
     stacked_params = [("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
     checkpoint_renames = ((".mlp.gate.e_score_correction_bias", ".mlp.experts.e_score_correction_bias"),)
 
     def __init__(self, config: ModelConfig):
-        hf = config.hf_config
-        unsupported = unsupported_options(hf)
+        unsupported = self.unsupported_options(config)
         if unsupported:
             raise ModelLoadError(f"{config.architecture}: config options met does not implement: "
                                  f"{', '.join(unsupported)}")
         super().__init__(config)
         attach_mtp_layers(self, config)
 
+    @staticmethod
+    def unsupported_options(config: ModelConfig) -> list[str]:
+        return unsupported_options(config.hf_config)
+
+    def make_mixer(self, config: ModelConfig, layer_index: int) -> nn.Module:
+        return make_mla(config, layer_index)
+
     def make_layer(self, config: ModelConfig, layer_index: int) -> nn.Module:
-        hf = config.hf_config
-        if layer_index < (hf.first_k_dense_replace or 0):
-            mlp = GatedMLP(config.hidden_size, hf.intermediate_size)
-        else:
-            mlp = DeepseekV3MoE(config)
-        return self.decoder_layer(config, make_mla(config, layer_index), mlp)
+        return self.decoder_layer(config, self.make_mixer(config, layer_index), deepseek_mlp(config, layer_index))

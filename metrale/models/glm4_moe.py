@@ -11,7 +11,7 @@ each head, half-split (neox, rotate_half) over those dims, the rest passed throu
 head_dim ** -0.5.
 
 The MoE block is transformers' Glm4MoeMoE, which is DeepSeek-V3's (its modular source derives it
-from DeepseekV3MoE) and runs as `deepseek_v3.DeepseekV3MoE`: a float32 router, sigmoid scores,
+from DeepseekV3MoE) and runs as `deepseek_v3.DeepseekV3MoE` (the trunk is DeepseekV3ForCausalLM's, with this attention): a float32 router, sigmoid scores,
 experts chosen by score + e_score_correction_bias among each token's topk_group best of n_group
 groups, weighted by the unbiased scores (renormalised when norm_topk_prob) times
 routed_scaling_factor, plus n_shared_experts shared experts as one SwiGLU.
@@ -28,14 +28,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from metrale.config.model_config import ModelConfig, ModelLoadError
-from metrale.layers.mlp import GatedMLP
+from metrale.config.model_config import ModelConfig
 from metrale.layers.norm import RMSNorm
 from metrale.layers.rotary import rope_parameters
 from metrale.models.common import CausalLM
-from metrale.models.deepseek_v3 import DeepseekV3MoE
+from metrale.models.deepseek_v3 import DeepseekV3ForCausalLM
 from metrale.models.llama import LlamaAttention
-from metrale.models.mtp import attach_mtp_layers
 
 
 def rotary_dim_of(config: ModelConfig) -> int:
@@ -68,21 +66,9 @@ class Glm4MoeAttention(LlamaAttention):
             self.q_norm, self.k_norm = qk_norm
 
 
-class Glm4MoeForCausalLM(CausalLM):
-    checkpoint_renames = ((".mlp.gate.e_score_correction_bias", ".mlp.experts.e_score_correction_bias"),)
+class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
+    stacked_params = CausalLM.stacked_params  # q/k/v and gate/up
+    unsupported_options = staticmethod(unsupported_options)
 
-    def __init__(self, config: ModelConfig):
-        unsupported = unsupported_options(config)
-        if unsupported:
-            raise ModelLoadError(f"{config.architecture}: config options met does not implement: "
-                                 f"{', '.join(unsupported)}")
-        super().__init__(config)
-        attach_mtp_layers(self, config)
-
-    def make_layer(self, config: ModelConfig, layer_index: int) -> nn.Module:
-        hf = config.hf_config
-        if layer_index < (hf.first_k_dense_replace or 0):
-            mlp = GatedMLP(config.hidden_size, hf.intermediate_size)
-        else:
-            mlp = DeepseekV3MoE(config)
-        return self.decoder_layer(config, Glm4MoeAttention(config, layer_index), mlp)
+    def make_mixer(self, config: ModelConfig, layer_index: int) -> nn.Module:
+        return Glm4MoeAttention(config, layer_index)
