@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 
-from checkpoints import load_reference, reference_greedy
+from family_cases import assert_idle, family_fixtures, generate_twice
 from metrale import LLM, SamplingParams
 from metrale.config.model_config import ModelLoadError
 from moe_checkpoints import make_moe_checkpoint
@@ -28,47 +28,14 @@ from test_generation_vs_hf import NEW_TOKENS, generate, make_prompts
 FAMILIES = ["glm4_moe", "glm4_moe_no_qk_norm"]
 
 
-@pytest.fixture(scope="module")
-def glm_checkpoint(tmp_path_factory):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = make_moe_checkpoint(str(tmp_path_factory.mktemp(f"ckpt_{family}")), family)
-        return cache[family]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def expected(glm_checkpoint):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            model = load_reference(glm_checkpoint(family))
-            cache[family] = [reference_greedy(model, p, NEW_TOKENS) for p in make_prompts()]
-        return cache[family]
-
-    return get
-
-
-def assert_idle(llm):
-    kv = llm.llm_engine.scheduler.kv
-    assert kv.num_free_blocks == kv.num_blocks
+glm_checkpoint, expected = family_fixtures(make_moe_checkpoint, "glm_checkpoint")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_then_prefix_hits_match_transformers(family, glm_checkpoint, expected):
-    llm = LLM(glm_checkpoint(family), dtype="float32", device="cpu", block_size=8)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in make_prompts()]
-    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    kv = llm.llm_engine.scheduler.kv
-    hits = kv.prefix_hits_total
-    second = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm, first, second, hits = generate_twice(glm_checkpoint(family))
     assert first == second == expected(family)
-    assert kv.prefix_hits_total > hits  # every prompt of 9+ tokens reused its cached K/V
+    assert llm.llm_engine.scheduler.kv.prefix_hits_total > hits  # every prompt of 9+ tokens reused its cached K/V
     assert_idle(llm)
 
 

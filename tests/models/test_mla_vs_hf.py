@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from checkpoints import load_reference, reference_greedy
+from family_cases import assert_idle, family_fixtures, generate_twice
 from metrale import LLM, SamplingParams
 from metrale.config.engine_args import EngineArgs
 from metrale.config.errors import OptionError
@@ -31,47 +31,14 @@ from test_generation_vs_hf import NEW_TOKENS, generate, make_prompts
 FAMILIES = sorted(MLA_FAMILIES)
 
 
-@pytest.fixture(scope="module")
-def mla_checkpoint(tmp_path_factory):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = make_mla_checkpoint(str(tmp_path_factory.mktemp(f"ckpt_{family}")), family)
-        return cache[family]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def expected(mla_checkpoint):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            model = load_reference(mla_checkpoint(family))
-            cache[family] = [reference_greedy(model, p, NEW_TOKENS) for p in make_prompts()]
-        return cache[family]
-
-    return get
-
-
-def assert_idle(llm):
-    kv = llm.llm_engine.scheduler.kv
-    assert kv.num_free_blocks == kv.num_blocks
+mla_checkpoint, expected = family_fixtures(make_mla_checkpoint, "mla_checkpoint")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_then_prefix_hits_match_transformers(family, mla_checkpoint, expected):
-    llm = LLM(mla_checkpoint(family), dtype="float32", device="cpu", block_size=8)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in make_prompts()]
-    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    kv = llm.llm_engine.scheduler.kv
-    hits = kv.prefix_hits_total
-    second = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm, first, second, hits = generate_twice(mla_checkpoint(family))
     assert first == second == expected(family)
-    assert kv.prefix_hits_total > hits  # every prompt of 9+ tokens reused its cached latents
+    assert llm.llm_engine.scheduler.kv.prefix_hits_total > hits  # every prompt of 9+ tokens reused its cached latents
     assert_idle(llm)
 
 
