@@ -101,23 +101,28 @@ def _materialize(module: nn.Module, param_name: str, device, dtype: torch.dtype)
     setattr(module, param_name, param)
 
 
+def _in_fp8(model: nn.Module, name: str, module: nn.Module, config: Fp8Config | None) -> bool:
+    """Whether a linear or expert layer holds FP8: quantizable, and not every checkpoint piece
+    of it listed unquantized."""
+    return (config is not None and getattr(module, "quantizable", True)
+            and not all(config.skips(piece) for piece in checkpoint_module_names(model, name)))
+
+
 def quantize_model(model: nn.Module, config: Fp8Config | None, device: torch.device, dtype: torch.dtype) -> int:
     """Allocate every deferred weight on `device`: FP8 per `config`, else in `dtype`. Returns how
     many layers are FP8."""
     converted = 0
     for name, module in model.named_modules():
         if isinstance(module, LinearBase) and is_deferred(module.weight):
-            pieces = checkpoint_module_names(model, name)
-            if config is not None and module.quantizable and not all(config.skips(p) for p in pieces):
-                _linear_to_fp8(name, module, config, device)
-                converted += 1
-            else:
-                _materialize(module, "weight", device, dtype)
+            params, to_fp8 = ("weight",), _linear_to_fp8
         elif isinstance(module, FusedMoE) and is_deferred(module.w13):
-            if config is not None and not config.skips(checkpoint_module_names(model, name)[0]):
-                _experts_to_fp8(name, module, config, device)
-                converted += 1
-            else:
-                _materialize(module, "w13", device, dtype)
-                _materialize(module, "w2", device, dtype)
+            params, to_fp8 = ("w13", "w2"), _experts_to_fp8
+        else:
+            continue
+        if _in_fp8(model, name, module, config):
+            to_fp8(name, module, config, device)
+            converted += 1
+        else:
+            for param_name in params:
+                _materialize(module, param_name, device, dtype)
     return converted
