@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 
 from metrale.config.errors import OptionError
+from metrale.config.quantization import SUPPORTED_METHODS
 
 
 def option(default, help: str, choices: tuple | None = None, flag: str | None = None, parse=None,
@@ -171,9 +172,10 @@ class EngineArgs:
         kv_skip_layers(self.kv_cache_dtype_skip_layers)  # validates
         if self.quantization in ("", "none"):
             self.quantization = None
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"quantization {self.quantization!r} is not supported; supported: fp8 (block FP8 "
-                             f"checkpoints load without it, from their quantization_config)")
+        if self.quantization is not None and self.quantization not in SUPPORTED_METHODS:
+            raise ValueError(f"quantization {self.quantization!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_METHODS)} (block FP8 checkpoints load without it, from their "
+                             f"quantization_config)")
         self.config_overrides  # validates
         if not self.structured_outputs_timeout > 0:
             raise ValueError(f"structured_outputs_timeout must be > 0, got {self.structured_outputs_timeout}")

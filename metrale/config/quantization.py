@@ -47,10 +47,6 @@ class Fp8Config:
     ignored: tuple[str, ...] = ()
     online: bool = False
 
-    @property
-    def method(self) -> str:
-        return "fp8"
-
     def skips(self, module_name: str) -> bool:
         """Whether a module (our name or the checkpoint's: both spell the same path down to the
         projection) stays unquantized: it or one of its parents is listed, or it ends with a

@@ -108,10 +108,8 @@ def _in_fp8(model: nn.Module, name: str, module: nn.Module, config: Fp8Config | 
             and not all(config.skips(piece) for piece in checkpoint_module_names(model, name)))
 
 
-def quantize_model(model: nn.Module, config: Fp8Config | None, device: torch.device, dtype: torch.dtype) -> int:
-    """Allocate every deferred weight on `device`: FP8 per `config`, else in `dtype`. Returns how
-    many layers are FP8."""
-    converted = 0
+def quantize_model(model: nn.Module, config: Fp8Config | None, device: torch.device, dtype: torch.dtype) -> None:
+    """Allocate every deferred weight on `device`: FP8 per `config`, else in `dtype`."""
     for name, module in model.named_modules():
         if isinstance(module, LinearBase) and is_deferred(module.weight):
             params, to_fp8 = ("weight",), _linear_to_fp8
@@ -121,8 +119,6 @@ def quantize_model(model: nn.Module, config: Fp8Config | None, device: torch.dev
             continue
         if _in_fp8(model, name, module, config):
             to_fp8(name, module, config, device)
-            converted += 1
         else:
             for param_name in params:
                 _materialize(module, param_name, device, dtype)
-    return converted
