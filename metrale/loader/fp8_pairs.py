@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from metrale.config.errors import ModelLoadError
 from metrale.config.quantization import Fp8Config
 from metrale.kernels.fp8_math import FP8_DTYPE, quantize_weight
 from metrale.layers.quantization.scales import expand_checkpoint_scale
@@ -101,8 +102,6 @@ class Fp8Pairs:
         return supplied
 
     def check_complete(self) -> None:
-        from metrale.config.model_config import ModelLoadError
-
         if self.weights:
             names = sorted(self.weights)
             raise ModelLoadError(f"the checkpoint's FP8 weight(s) {', '.join(names[:5])} have no scale tensor: "
