@@ -1,0 +1,226 @@
+"""Absorbed MLA attention over the paged latent cache: split-KV flash decoding as MQA.
+
+Layout (layers/mla/backend.py):
+  cache         [num_blocks, block_size, latent + rope], contiguous: per token the latent c_kv
+                (kv_lora_rank wide) then the shared roped key k_pe; float32, bf16, fp16, or
+                float8_e4m3fn (value = stored x latent_scale)
+  q_latent      [R, heads, latent]  q_nope @ W_UK, the query over the latent
+  q_pe          [R, heads, rope]    the roped query
+  block_tables  int32 [num_seqs, max_blocks]; position p of sequence i lives in block
+                block_tables[i, p // block_size] at offset p % block_size
+Row r reads sequence r and sees its keys 0..seq_lens[r]-1 (a decode step), or, with a row map,
+sequence row_seq[r] and keys 0..row_kv_len[r]-1 (any query row: its position + 1). With
+`topk_indices` [R, K] (contract: docs/mla.md) row r sees only the listed positions; -1 entries
+and positions >= its key count (a padded CUDA-graph row has none) are ignored.
+
+out[r, h] = softmax_s(scale * [q_latent | q_pe][r, h] . cache[s]) @ cache[s, :latent]
+
+Every head of a row reads the same latent, so a program owns BLOCK_H heads of one row and one
+split of its keys: each latent tile is loaded from memory once for all of them and serves as
+both key and value. Partial outputs of the splits are merged by log-sum-exp; with one split the
+program writes the output directly. The split count depends only on the row count, the head
+count and the block table's width (or K), never on device values, so decode replays in CUDA
+graphs. Softmax is online in fp32 with exp2; P is cast to the query dtype for P @ V.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.kernels import interpret_mode, num_sms, pdl_args, pdl_wait, tl, triton
+from metrale.kernels.paged_attention import LOG2E, _dot
+
+# Hopper defaults (not tuned on a GPU yet: benchmarks/mla_decode_bench.py --sweep tries others).
+# 32 heads x 512 latent of fp32 accumulator over 8 warps is 64 registers a thread; a 32-token
+# tile of 576 bf16 values is 36 KiB of shared memory a stage.
+BLOCK_H = 32
+BLOCK_N = 32
+NUM_WARPS = 8
+NUM_STAGES = 2
+MAX_KV_SPLITS = 64
+MIN_KEYS_PER_SPLIT = 128  # shorter splits spend more on the merge than they win in parallelism
+
+
+@triton.jit(do_not_specialize=["stride_bt", "stride_tk", "num_splits", "num_topk"])
+def _mla_decode_kernel(
+    q_lat_ptr, q_pe_ptr, cache_ptr, bt_ptr, seq_lens_ptr, row_seq_ptr, row_kv_len_ptr, topk_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr,
+    stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_cb, stride_co, stride_bt, stride_tk,
+    stride_ot, stride_oh,
+    num_heads, block_size, num_splits, num_topk, scale_log2e, v_scale,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ROW_MAP: tl.constexpr, SPARSE: tl.constexpr,
+    DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+):
+    # grid: (rows, cdiv(heads, BLOCK_H), num_splits). Partials: part_o [rows, heads, splits,
+    # LATENT] fp32 (normalised), part_lse [rows, heads, splits] (log2-sum-exp, -inf: the split
+    # saw no key). Every split writes its partial, empty or not, so the merge needs no count.
+    pdl_wait(PDL)
+    row = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    h_valid = h < num_heads
+    dl = tl.arange(0, BLOCK_L)
+    dl_mask = dl < LATENT
+    dr = tl.arange(0, BLOCK_R)
+    dr_mask = dr < ROPE
+    row64 = row.to(tl.int64)
+    q_lat = tl.load(q_lat_ptr + row64 * stride_qlt + h[:, None] * stride_qlh + dl[None, :],
+                    mask=h_valid[:, None] & dl_mask[None, :], other=0.0)
+    q_pe = tl.load(q_pe_ptr + row64 * stride_qpt + h[:, None] * stride_qph + dr[None, :],
+                   mask=h_valid[:, None] & dr_mask[None, :], other=0.0)
+    if ROW_MAP:
+        seq = tl.load(row_seq_ptr + row)
+        kv_len = tl.load(row_kv_len_ptr + row)
+    else:
+        seq = row
+        kv_len = tl.load(seq_lens_ptr + row)
+    if SPARSE:
+        n_keys = num_topk
+    else:
+        n_keys = kv_len
+    split_len = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, n_keys)
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    for s in range(start, end, BLOCK_N):
+        j = s + tl.arange(0, BLOCK_N)
+        valid = j < end
+        if SPARSE:
+            pos = tl.load(topk_ptr + row64 * stride_tk + j, mask=valid, other=-1)
+            valid = valid & (pos >= 0) & (pos < kv_len)
+        else:
+            pos = j
+        pos = tl.where(valid, pos, 0)
+        phys = tl.load(bt_row_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
+        off = phys * stride_cb + (pos % block_size) * stride_co
+        kv = tl.load(cache_ptr + off[:, None] + dl[None, :], mask=valid[:, None] & dl_mask[None, :],
+                     other=0.0).to(q_lat.dtype)
+        pe = tl.load(cache_ptr + off[:, None] + LATENT + dr[None, :], mask=valid[:, None] & dr_mask[None, :],
+                     other=0.0).to(q_lat.dtype)
+        qk = _dot(q_lat, tl.trans(kv), PRECISION, UPCAST) + _dot(q_pe, tl.trans(pe), PRECISION, UPCAST)
+        qk = tl.where(valid[None, :], qk * scale_log2e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A tile with no key yet (a sparse row's padding) keeps m at -inf: exponentiate against
+        # 0 then, so every term is exp2(-inf) = 0 and no NaN appears.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(kv.dtype), kv, PRECISION, UPCAST)
+        m_i = m_new
+
+    o = acc * (v_scale / tl.maximum(l_i, 1e-30)[:, None])  # 0 for a row that saw no key
+    io_mask = h_valid[:, None] & dl_mask[None, :]
+    if DIRECT:
+        tl.store(out_ptr + row64 * stride_ot + h[:, None] * stride_oh + dl[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        p_row = (row64 * num_heads + h) * num_splits + split
+        tl.store(part_o_ptr + p_row[:, None] * LATENT + dl[None, :], o, mask=io_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(part_lse_ptr + p_row, lse, mask=h_valid)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _mla_merge_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads, num_splits,
+    LATENT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+):
+    # grid: (rows, heads). out = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max); zeros when no
+    # split saw a key (a padded graph row). BLOCK_S splits per tile: one tile in the usual case.
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dl = tl.arange(0, BLOCK_L)
+    dl_mask = dl < LATENT
+    row0 = (row * num_heads + head) * num_splits
+    m = tl.full([1], float("-inf"), tl.float32)
+    w_sum = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_L], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_valid = s < num_splits
+        lse = tl.load(part_lse_ptr + row0 + s, mask=s_valid, other=float("-inf"))
+        o = tl.load(part_o_ptr + (row0 + s)[:, None] * LATENT + dl[None, :],
+                    mask=s_valid[:, None] & dl_mask[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.exp2(m - m_use)
+        w = tl.exp2(lse - m_use)
+        acc = acc * rescale + tl.sum(w[:, None] * o, 0)
+        w_sum = w_sum * rescale + tl.sum(w, 0)
+        m = m_new
+    out = acc / tl.maximum(w_sum, 1e-30)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + dl, out.to(out_ptr.dtype.element_ty), mask=dl_mask)
+
+
+def choose_num_kv_splits(num_rows: int, num_head_blocks: int, max_keys: int, device: torch.device) -> int:
+    """About two waves of (row, head block, split) programs over the SMs, no split shorter than
+    MIN_KEYS_PER_SPLIT of `max_keys` (the block table's capacity, or K). Host-side only."""
+    want = triton.cdiv(2 * num_sms(device), max(1, num_rows * num_head_blocks))
+    return max(1, min(want, triton.cdiv(max_keys, MIN_KEYS_PER_SPLIT), MAX_KV_SPLITS))
+
+
+def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                         row_seq: torch.Tensor | None = None, row_kv_len: torch.Tensor | None = None,
+                         topk_indices: torch.Tensor | None = None, latent_scale: float = 1.0,
+                         num_kv_splits: int | None = None, config: tuple | None = None) -> torch.Tensor:
+    """-> [R, heads, latent] in q_latent's dtype (the attended latent, before W_UV).
+
+    `row_seq`, `row_kv_len` (int32 [R], both or neither): row r's sequence and key count; None:
+    row r is sequence r with seq_lens[r] keys. `config`: (BLOCK_H, BLOCK_N, num_warps,
+    num_stages) instead of the module's defaults (the benchmark's sweep)."""
+    rows, heads, latent = q_latent.shape
+    rope = q_pe.shape[2]
+    assert q_pe.shape[:2] == (rows, heads) and q_latent.stride(-1) == 1 and q_pe.stride(-1) == 1
+    assert q_pe.dtype == q_latent.dtype
+    assert cache.dim() == 3 and cache.shape[2] == latent + rope and cache.is_contiguous()
+    assert cache.dtype in (q_latent.dtype, torch.float8_e4m3fn), (cache.dtype, q_latent.dtype)
+    assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
+    assert (row_seq is None) == (row_kv_len is None)
+    sparse = topk_indices is not None
+    if sparse:
+        assert topk_indices.dtype == torch.int32 and topk_indices.shape[0] == rows and topk_indices.stride(-1) == 1
+    out = torch.empty((rows, heads, latent), dtype=q_latent.dtype, device=q_latent.device)
+    if rows == 0:
+        return out
+    block_h, block_n, num_warps, num_stages = config or (BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES)
+    block_h = max(16, min(block_h, triton.next_power_of_2(heads)))  # tl.dot needs 16 rows
+    head_blocks = triton.cdiv(heads, block_h)
+    if num_kv_splits is None:
+        max_keys = topk_indices.shape[1] if sparse else block_tables.shape[1] * cache.shape[1]
+        num_kv_splits = choose_num_kv_splits(rows, head_blocks, max_keys, q_latent.device)
+    assert 1 <= num_kv_splits <= MAX_KV_SPLITS, num_kv_splits
+    direct = num_kv_splits == 1
+    if direct:
+        part_o = part_lse = out  # unused
+    else:
+        part_o = torch.empty((rows, heads, num_kv_splits, latent), dtype=torch.float32, device=q_latent.device)
+        part_lse = torch.empty((rows, heads, num_kv_splits), dtype=torch.float32, device=q_latent.device)
+    dummy = block_tables  # stands in for the pointers a variant does not read
+    float32 = q_latent.dtype == torch.float32
+    _mla_decode_kernel[(rows, head_blocks, num_kv_splits)](
+        q_latent, q_pe, cache, block_tables, seq_lens,
+        row_seq if row_seq is not None else dummy, row_kv_len if row_kv_len is not None else dummy,
+        topk_indices if sparse else dummy, part_o, part_lse, out,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1),
+        block_tables.stride(0), topk_indices.stride(0) if sparse else 0, out.stride(0), out.stride(1),
+        heads, cache.shape[1], num_kv_splits, topk_indices.shape[1] if sparse else 0,
+        scale * latent_scale * LOG2E, latent_scale,
+        LATENT=latent, ROPE=rope, BLOCK_L=triton.next_power_of_2(latent), BLOCK_R=triton.next_power_of_2(rope),
+        BLOCK_H=block_h, BLOCK_N=block_n, ROW_MAP=row_seq is not None, SPARSE=sparse, DIRECT=direct,
+        PRECISION="ieee" if float32 else None, UPCAST=interpret_mode() and q_latent.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(),
+    )
+    if not direct:
+        _mla_merge_kernel[(rows, heads)](
+            part_o, part_lse, out, out.stride(0), out.stride(1), heads, num_kv_splits,
+            LATENT=latent, BLOCK_L=triton.next_power_of_2(latent), BLOCK_S=16, num_warps=4, **pdl_args(),
+        )
+    return out
