@@ -116,6 +116,10 @@ class EngineArgs:
     fp8_kv_calibration_tokens: int = option(0, "With --kv-cache-dtype fp8 and no k_scale/v_scale in the checkpoint: "
                                                "calibrate the scales at startup over this many tokens (0: scales 1.0)")
     fp8_kv_headroom: float = option(1.2, "Calibrated fp8 scales cover the largest value seen times this factor")
+    indexer_cache_dtype: str = option("auto", "Element type of the DSA indexer's key cache (DeepSeek-V3.2, GLM-5); "
+                                              "auto: the model dtype; fp8: e4m3 keys with one float32 scale per "
+                                              "token (refused for models without an indexer)",
+                                      choices=("auto", "bfloat16", "fp8"))
     ssm_h_dtype: str = option("float32", "Element type of the recurrent state of linear-attention (Gated DeltaNet) "
                                          "layers; it is always computed in float32",
                               choices=("float32", "bfloat16", "float16"))

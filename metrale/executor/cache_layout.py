@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from metrale.config.cache_config import CacheConfig
+from metrale.config.errors import OptionError
 from metrale.layers.cache_spec import CacheSpec, PagedCacheSpec, StateCacheSpec, cached_layers
 
 
@@ -29,8 +30,13 @@ class CacheLayout:
 
     @classmethod
     def of(cls, model: nn.Module, config: CacheConfig) -> "CacheLayout":
-        return cls(config.block_size, tuple(LayerCaches(layer.layer_index, tuple(layer.cache_specs(config)))
-                                            for layer in cached_layers(model)))
+        layout = cls(config.block_size, tuple(LayerCaches(layer.layer_index, tuple(layer.cache_specs(config)))
+                                              for layer in cached_layers(model)))
+        if config.indexer_cache_dtype == "fp8" and "indexer" not in layout.kinds:
+            architecture = getattr(getattr(model, "config", None), "architecture", type(model).__name__)
+            raise OptionError(f"--indexer-cache-dtype fp8: {architecture} has no DSA indexer, so no indexer "
+                              f"cache to store in fp8; leave it at auto")
+        return layout
 
     def _specs(self, spec_type) -> list:
         return [spec for layer in self.layers for spec in layer.specs if isinstance(spec, spec_type)]

@@ -28,6 +28,7 @@ _MODULES = {
     "gdn": {"torch": "metrale.layers.linear_attention.torch_backend",
             "triton": "metrale.layers.linear_attention.triton_backend"},
     "mla": {"torch": "metrale.layers.mla.torch_backend"},  # a Triton MLA backend does not exist yet
+    "indexer": {"torch": "metrale.layers.mla.indexer_torch_backend"},  # DSA's indexer keys (layers/mla/indexer.py)
 }
 _REGISTRY: dict[tuple[str, str], type["CacheBackend"]] = {}
 

@@ -39,6 +39,13 @@ def inverse_frequencies(hf_config, rotary_dim: int) -> tuple[torch.Tensor, float
     return ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_config, torch.device("cpu"))
 
 
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[x0, x1, x2, x3, ...] -> [x0, x2, ... | x1, x3, ...] along the last dimension: a neox rotation
+    of the result is the interleaved (DeepSeek) rotation of x, de-interleaved, as transformers'
+    apply_rotary_pos_emb_interleave returns it."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
 def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]

@@ -16,6 +16,12 @@ in one of two forms, chosen per sequence:
 - absorbed (decode: one query row): W_UK folded into the query (q_nope W_UK, a query over the
   latent), MQA over the cache entries [c_kv | k_pe] with the latent as the value, then W_UV on
   the attended latent. Nothing per context token is up-projected.
+
+Sparse attention (DSA, layers/mla/indexer_backend.py): `topk_indices` int32 [T, K] restricts
+query row t to the positions listed in row t (positions within its own sequence, the block
+table's numbering; each at most once, any order, -1 padding ignored; every listed position is
+at most the row's own, and a row lists at least its own position). None: dense causal attention.
+Both forms honour it.
 """
 
 from __future__ import annotations
@@ -61,5 +67,6 @@ class MLABackend(CacheBackend):
 
     @abstractmethod
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, up: LatentUpProjection,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q_nope [T, heads, qk_nope], q_pe [T, heads, rope] (roped) -> [T, heads, v_head_dim]."""
+                metadata: AttentionMetadata, scale: float, topk_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """q_nope [T, heads, qk_nope], q_pe [T, heads, rope] (roped) -> [T, heads, v_head_dim];
+        `topk_indices` [T, K] int32: the positions each row attends to (module docstring)."""

@@ -37,6 +37,18 @@ RoPE, as transformers' DeepseekV3Attention: with `rope_interleaved` (rope_interl
 checkpoints) dimension pairs (0, 1), (2, 3), ... share a frequency, and the rotated vector comes
 out de-interleaved ([rotated evens | rotated odds]); the layer de-interleaves before a neox
 rotation, which computes exactly that. Without it, a plain neox rotation.
+
+DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a layer built with an `indexer`
+(layers/mla/indexer.py, a "full" layer) runs it on the step's hidden states and q_resid
+(q_a_layernorm's output), and its attention sees only the positions it selects. Its caches are
+then the latent spec and, after it, the indexer's specs (kind "indexer": keys, and with fp8 their
+scales), bound in that order. A layer built with `selection_source` (a "shared" layer, GLM-5)
+has no indexer and no indexer cache: it attends over the selection that model layer's indexer
+made in this step. The selection travels in the step's indexer metadata (IndexerMetadata.
+selections), not through the model's layer loop: it is per-step state like the rest of the
+forward context, it is dropped with the step, and the decoder trunk every family shares stays
+free of a DSA-only argument. Layers run in model order, so the full layer has always run first;
+a missing entry is a wiring bug and fails loudly.
 """
 
 from __future__ import annotations
@@ -54,7 +66,10 @@ from metrale.layers.cache_spec import PagedCacheSpec
 from metrale.layers.forward_context import get_forward_context
 from metrale.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, divide
 from metrale.layers.mla.backend import LatentUpProjection
+from metrale.layers.mla.indexer import KIND as INDEXER_KIND
+from metrale.layers.mla.indexer import DSAIndexer
 from metrale.layers.norm import RMSNorm
+from metrale.layers.rotary import deinterleave
 
 KIND = "mla"
 
@@ -81,11 +96,22 @@ class MLADims:
 
 class MLAAttention(nn.Module):
     def __init__(self, dims: MLADims, layer_index: int, rotary: nn.Module, scale: float,
-                 latent_norm_eps: float = 1e-6, rope_interleaved: bool = False):
+                 latent_norm_eps: float = 1e-6, rope_interleaved: bool = False, indexer: DSAIndexer | None = None,
+                 selection_source: int | None = None):
         """`rotary`: a neox-style RotaryEmbedding of qk_rope_head_dim; `scale`: the softmax scale
         (qk_head_dim ** -0.5, times any yarn mscale the model applies); `latent_norm_eps`: the
-        eps of q_a_layernorm and kv_a_layernorm."""
+        eps of q_a_layernorm and kv_a_layernorm. DSA (module docstring): `indexer` for a full
+        layer, or `selection_source`, the model layer number of the full layer a shared one
+        reuses (an earlier layer)."""
         super().__init__()
+        if indexer is not None and selection_source is not None:
+            raise ValueError(f"MLA layer {layer_index}: an indexer or a shared selection, not both")
+        if selection_source is not None and not selection_source < layer_index:
+            raise ValueError(f"MLA layer {layer_index} cannot reuse the selection of layer {selection_source}: "
+                             f"only an earlier layer's")
+        if indexer is not None and dims.q_lora_rank is None:
+            raise ValueError(f"MLA layer {layer_index}: the DSA indexer reads q_a_layernorm's output, "
+                             f"which needs a q_lora_rank")
         self.dims, self.layer_index, self.scale = dims, layer_index, scale
         self.rope_interleaved = rope_interleaved
         self.num_heads = divide(dims.num_heads, get_tp_group().size, "number of attention heads")
@@ -101,6 +127,8 @@ class MLAAttention(nn.Module):
                                                                                    + dims.v_head_dim))
         self.o_proj = RowParallelLinear(dims.num_heads * dims.v_head_dim, dims.hidden_size)
         self.rotary_emb = rotary
+        self.indexer = indexer
+        self.selection_source = selection_source
         # The model dtype (construction runs under it): what an FP8 kv_b_proj is dequantized to.
         self.model_dtype = torch.get_default_dtype()
         # Set by the post-load hook: kv_b_proj as the backends read it.
@@ -110,15 +138,20 @@ class MLAAttention(nn.Module):
 
     # -- the cache ---------------------------------------------------------------------------
 
-    def cache_specs(self, config: CacheConfig) -> tuple[PagedCacheSpec]:
+    def cache_specs(self, config: CacheConfig) -> tuple[PagedCacheSpec, ...]:
         dtype = config.kv_dtype(self.layer_index)
         if dtype == FP8:
             raise OptionError(f"--kv-cache-dtype fp8 does not apply to the MLA latent cache of layer "
                               f"{self.layer_index} yet: run MLA models with --kv-cache-dtype auto")
-        return (PagedCacheSpec(KIND, 1, (self.dims.latent_dim,), dtype),)
+        latent = PagedCacheSpec(KIND, 1, (self.dims.latent_dim,), dtype)
+        if self.indexer is None:
+            return (latent,)
+        return (latent, *self.indexer.key_cache_specs(config))
 
     def bind_caches(self, caches: tuple[torch.Tensor, ...] | None) -> None:
         self.latent_cache = None if caches is None else caches[0][0]
+        if self.indexer is not None:
+            self.indexer.bind(None if caches is None else caches[1:])
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -150,28 +183,34 @@ class MLAAttention(nn.Module):
         d = self.dims
         ctx = get_forward_context()
         backend, metadata = ctx.backends[KIND], ctx.metadata[KIND]
-        q = self._query(hidden).view(-1, self.num_heads, d.qk_head_dim)
+        q_resid = None if d.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden))
+        q = (self.q_proj(hidden) if q_resid is None else self.q_b_proj(q_resid)).view(-1, self.num_heads, d.qk_head_dim)
         q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
         q_pe, k_pe = self._rope(positions, q_pe, k_pe.unsqueeze(1))
         backend.write_latent(kv_c, k_pe.squeeze(1), self.latent_cache, metadata.slot_mapping)
-        heads = backend.forward(q_nope, q_pe, self.latent_cache, self.up, metadata, self.scale)
+        topk_indices = self._selection(ctx, positions, hidden, q_resid)
+        heads = backend.forward(q_nope, q_pe, self.latent_cache, self.up, metadata, self.scale, topk_indices)
         return self.o_proj(heads.reshape(-1, self.num_heads * d.v_head_dim))
 
-    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.dims.q_lora_rank is None:
-            return self.q_proj(hidden)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+    def _selection(self, ctx, positions, hidden, q_resid) -> torch.Tensor | None:
+        """The positions each row attends to (DSA), or None for dense attention."""
+        if self.indexer is not None:
+            selection = self.indexer(positions, hidden, q_resid, self.rotary_emb)
+            ctx.metadata[INDEXER_KIND].selections[self.layer_index] = selection
+            return selection
+        if self.selection_source is not None:
+            selections = ctx.metadata[INDEXER_KIND].selections
+            if self.selection_source not in selections:
+                raise RuntimeError(f"MLA layer {self.layer_index} reuses layer {self.selection_source}'s selection, "
+                                   f"which this step has not made")
+            return selections[self.selection_source]
+        return None
 
     def _rope(self, positions, q_pe, k_pe):
         """q_pe [T, heads, rope], k_pe [T, 1, rope] -> both rotated (the rotary may work in place:
         the views' columns are read as nothing else)."""
         if self.rope_interleaved:
-            q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         return self.rotary_emb(positions, q_pe, k_pe)
-
-
-def _deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """[x0, x1, x2, x3, ...] -> [x0, x2, ... | x1, x3, ...] along the last dimension."""
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)

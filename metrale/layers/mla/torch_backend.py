@@ -3,7 +3,9 @@
 One sequence at a time: gather its latents (cached prefix and new tokens, in position order),
 then attention with the query rows placed at the end of the context. A sequence with one query
 row takes the absorbed form, any other the up-projected one (backend.py); both are exported for
-the test that they agree. Slow and obviously right; a fast backend is tested against it.
+the test that they agree. A selection (`topk_indices`, DSA) becomes the boolean mask both forms
+already take: row j sees exactly its listed positions. Slow and obviously right; a fast backend
+is tested against it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ def causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Ten
     0..that position."""
     positions = torch.arange(seq_len - query_len, seq_len, device=device)
     return torch.arange(seq_len, device=device)[None, :] <= positions[:, None]
+
+
+def selection_mask(topk_indices: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """topk_indices [Q, K] (positions, -1 padding) -> [Q, seq_len] bool, True where listed."""
+    listed = topk_indices.long()
+    mask = torch.zeros(listed.shape[0], seq_len + 1, dtype=torch.bool, device=listed.device)
+    # -1 lands in the extra last column, which is dropped.
+    mask.scatter_(1, torch.where(listed >= 0, listed, seq_len), True)
+    return mask[:, :seq_len]
 
 
 def up_projected_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
@@ -69,7 +80,7 @@ class TorchMLABackend(MLABackend):
         write_latent_reference(kv_c, k_pe, cache, slot_mapping)
 
     def forward(self, q_nope, q_pe, cache, up: LatentUpProjection, metadata: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, topk_indices: torch.Tensor | None = None) -> torch.Tensor:
         out = q_nope.new_empty(*q_nope.shape[:2], up.v_head_dim)
         start = 0
         for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
@@ -78,7 +89,10 @@ class TorchMLABackend(MLABackend):
             rows = slice(start, start + query_len)
             entries = gather_context(cache, metadata.block_tables[i], seq_len).to(q_nope.dtype)
             attend = absorbed_attention if query_len == 1 else up_projected_attention
-            out[rows] = attend(q_nope[rows], q_pe[rows], entries, up, scale,
-                               causal_mask(query_len, seq_len, q_nope.device))
+            if topk_indices is None:
+                mask = causal_mask(query_len, seq_len, q_nope.device)
+            else:
+                mask = selection_mask(topk_indices[rows], seq_len)
+            out[rows] = attend(q_nope[rows], q_pe[rows], entries, up, scale, mask)
             start += query_len
         return out
