@@ -27,7 +27,8 @@ _MODULES = {
                   "triton": "metrale.layers.attention.triton_backend"},
     "gdn": {"torch": "metrale.layers.linear_attention.torch_backend",
             "triton": "metrale.layers.linear_attention.triton_backend"},
-    "mla": {"torch": "metrale.layers.mla.torch_backend"},  # a Triton MLA backend does not exist yet
+    "mla": {"torch": "metrale.layers.mla.torch_backend",
+            "triton": "metrale.layers.mla.triton_backend"},
     "indexer": {"torch": "metrale.layers.mla.indexer_torch_backend"},  # DSA's indexer keys (layers/mla/indexer.py)
 }
 _REGISTRY: dict[tuple[str, str], type["CacheBackend"]] = {}
