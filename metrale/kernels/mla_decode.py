@@ -30,9 +30,10 @@ import torch
 from metrale.kernels import interpret_mode, num_sms, pdl_args, pdl_wait, tl, triton
 from metrale.kernels.paged_attention import LOG2E, _dot
 
-# Hopper defaults (not tuned on a GPU yet: benchmarks/mla_decode_bench.py --sweep tries others).
-# 32 heads x 512 latent of fp32 accumulator over 8 warps is 64 registers a thread; a 32-token
-# tile of 576 bf16 values is 36 KiB of shared memory a stage.
+# Hopper defaults, not yet timed on a GPU (benchmarks/mla_decode_bench.py --sweep tries others).
+# Compiled for sm_90 here (tests/kernels/compile_sm90.py) at DeepSeek-V3's 512 + 64: 178
+# registers, 74 KiB of shared memory, no spills; 64 heads, or 16 heads x 64 tokens x 4 warps,
+# spill. 128 heads in blocks of 32 read each latent tile four times, three of them from L2.
 BLOCK_H = 32
 BLOCK_N = 32
 NUM_WARPS = 8
@@ -52,13 +53,15 @@ def _mla_decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ROW_MAP: tl.constexpr, SPARSE: tl.constexpr,
     DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    # grid: (rows, cdiv(heads, BLOCK_H), num_splits). Partials: part_o [rows, heads, splits,
+    # grid: (cdiv(heads, BLOCK_H), num_splits, rows): the head blocks of one (row, split) are
+    # neighbours in launch order, so they run together and all but the first find the latent
+    # tiles in L2. Partials: part_o [rows, heads, splits,
     # LATENT] fp32 (normalised), part_lse [rows, heads, splits] (log2-sum-exp, -inf: the split
     # saw no key). Every split writes its partial, empty or not, so the merge needs no count.
     pdl_wait(PDL)
-    row = tl.program_id(0)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
+    h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(1)
+    row = tl.program_id(2)
     h_valid = h < num_heads
     dl = tl.arange(0, BLOCK_L)
     dl_mask = dl < LATENT
@@ -205,7 +208,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
         part_lse = torch.empty((rows, heads, num_kv_splits), dtype=torch.float32, device=q_latent.device)
     dummy = block_tables  # stands in for the pointers a variant does not read
     float32 = q_latent.dtype == torch.float32
-    _mla_decode_kernel[(rows, head_blocks, num_kv_splits)](
+    assert rows < 65536, f"{rows} query rows in one launch: the grid's third dimension holds 65535"
+    _mla_decode_kernel[(head_blocks, num_kv_splits, rows)](
         q_latent, q_pe, cache, block_tables, seq_lens,
         row_seq if row_seq is not None else dummy, row_kv_len if row_kv_len is not None else dummy,
         topk_indices if sparse else dummy, part_o, part_lse, out,

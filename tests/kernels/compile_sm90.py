@@ -25,6 +25,9 @@ from metrale.kernels import fp8_quant as FQ
 from metrale.kernels import gated_delta_rule as GD
 from metrale.kernels import gated_delta_step as GS
 from metrale.kernels import gemv as G
+from metrale.kernels import mla_decode as MD
+from metrale.kernels import mla_extend as ME
+from metrale.kernels import mla_latent_write as MW
 from metrale.kernels import moe_gemv as MG
 from metrale.kernels import moe_routing as MR
 from metrale.kernels import paged_attention as A
@@ -158,6 +161,35 @@ KERNELS = {
         "part_o_ptr": F32, "part_lse_ptr": F32, "out_ptr": "*bf16", "seq_lens_ptr": I32,
         **{name: INT for name in ("stride_ps", "stride_ph", "stride_os", "stride_oh", "num_splits")}},
         {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 16, "BLOCK_N": 64, "PDL": True}, 4),
+    # DeepSeek-V3's MLA at tp=1: 128 heads, latent 512 + rope 64, q/k 128 + 64, v 128; the module's
+    # default tiles. Split bf16 decode, and a direct fp8 sparse decode over mapped rows
+    **{f"mla_decode._mla_decode_kernel[{cache}]": (MD._mla_decode_kernel, {
+        "q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16", "cache_ptr": cache, "bt_ptr": I32, "seq_lens_ptr": I32,
+        "row_seq_ptr": I32, "row_kv_len_ptr": I32, "topk_ptr": I32, "part_o_ptr": F32, "part_lse_ptr": F32,
+        "out_ptr": "*bf16",
+        **{name: INT for name in ("stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_cb", "stride_co",
+                                  "stride_bt", "stride_tk", "stride_ot", "stride_oh", "num_heads", "block_size",
+                                  "num_splits", "num_topk")},
+        "scale_log2e": "fp32", "v_scale": "fp32"},
+        {"LATENT": 512, "ROPE": 64, "BLOCK_L": 512, "BLOCK_R": 64, "BLOCK_H": MD.BLOCK_H, "BLOCK_N": MD.BLOCK_N,
+         "ROW_MAP": fp8, "SPARSE": fp8, "DIRECT": fp8, "PRECISION": None, "UPCAST": False, "PDL": True},
+        MD.NUM_WARPS) for cache, fp8 in (("*bf16", False), ("*fp8e4nv", True))},
+    "mla_decode._mla_merge_kernel": (MD._mla_merge_kernel, {
+        "part_o_ptr": F32, "part_lse_ptr": F32, "out_ptr": "*bf16",
+        **{name: INT for name in ("stride_ot", "stride_oh", "num_heads", "num_splits")}},
+        {"LATENT": 512, "BLOCK_L": 512, "BLOCK_S": 16, "PDL": True}, 4),
+    "mla_extend._mla_extend_kernel": (ME._mla_extend_kernel, {
+        **{name: "*bf16" for name in ("qn_ptr", "qp_ptr", "kn_ptr", "kp_ptr", "v_ptr", "out_ptr")},
+        **{name: I32 for name in ("cu_q_ptr", "seq_lens_ptr", "seq_ids_ptr", "cu_k_ptr")},
+        **{name: INT for name in ("stride_qnt", "stride_qnh", "stride_qpt", "stride_qph", "stride_knt", "stride_knh",
+                                  "stride_kpt", "stride_vt", "stride_vh", "stride_ot", "stride_oh")},
+        "scale_log2e": "fp32"},
+        {"NOPE": 128, "ROPE": 64, "V_DIM": 128, "BLOCK_DN": 128, "BLOCK_DR": 64, "BLOCK_DV": 128,
+         "BLOCK_M": ME.BLOCK_M, "BLOCK_N": ME.BLOCK_N, "PRECISION": None, "UPCAST": False, "PDL": True}, ME.NUM_WARPS),
+    "mla_latent_write._write_latent_kernel[FP8]": (MW._write_latent_kernel, {
+        "kv_c_ptr": "*bf16", "k_pe_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "slot_ptr": I64,
+        **{name: INT for name in ("stride_ct", "stride_pt", "stride_cb", "stride_co", "block_size")},
+        "inv_scale": "fp32"}, {"LATENT": 512, "ROPE": 64, "BLOCK_L": 512, "BLOCK_R": 64, "FP8": True}, 4),
     "qk_norm_rope._qk_norm_rope_kernel[STORE_KV]": (Q._qk_norm_rope_kernel, {
         "pos_ptr": I64, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
         "cos_sin_ptr": F32, "slot_ptr": I64, "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
