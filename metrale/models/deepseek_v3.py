@@ -68,13 +68,14 @@ def mla_softmax_scale(hf) -> float:
     return scale
 
 
-def make_mla(config: ModelConfig, layer_index: int) -> MLAAttention:
+def make_mla(config: ModelConfig, layer_index: int, **dsa) -> MLAAttention:
+    """`dsa`: MLAAttention's indexer or selection_source (DeepSeek-V3.2, GLM-5: models/deepseek_v32.py)."""
     hf = config.hf_config
     dims = MLADims(config.hidden_size, hf.num_attention_heads, hf.q_lora_rank, hf.kv_lora_rank,
                    hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim)
     rotary = RotaryEmbedding(hf, hf.qk_rope_head_dim, config.max_model_len)
     return MLAAttention(dims, layer_index, rotary, mla_softmax_scale(hf), LATENT_NORM_EPS,
-                        rope_interleaved=bool(getattr(hf, "rope_interleave", True)))
+                        rope_interleaved=bool(getattr(hf, "rope_interleave", True)), **dsa)
 
 
 class DeepseekV3MoE(nn.Module):

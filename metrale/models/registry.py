@@ -14,6 +14,8 @@ _MODELS = {
     "MiniMaxM2ForCausalLM": ("metrale.models.minimax_m2", "MiniMaxM2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("metrale.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "Glm4MoeForCausalLM": ("metrale.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "DeepseekV32ForCausalLM": ("metrale.models.deepseek_v32", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("metrale.models.glm_moe_dsa", "GlmMoeDsaForCausalLM"),
     "Qwen3NextForCausalLM": ("metrale.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("metrale.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("metrale.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
