@@ -60,9 +60,9 @@ def _write_keys_kernel(k_ptr, key_cache_ptr, scale_cache_ptr, slot_ptr, stride_k
     if FP8:
         kf = k.to(tl.float32)
         amax = tl.max(tl.abs(kf), axis=0)
-        scale = tl.math.div_rn(amax, 448.0)
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))  # div_rn: `/` is approximate on GPUs
         scale = tl.where(amax == 0.0, 1.0, scale)
-        v = round_to_e4m3(tl.clamp(tl.math.div_rn(kf, tl.full(kf.shape, 1.0, tl.float32) * scale), -448.0, 448.0))
+        v = round_to_e4m3(tl.clamp(tl.math.div_rn(kf, tl.full(kf.shape, 0.0, tl.float32) + scale), -448.0, 448.0))
         tl.store(dst, v.to(key_cache_ptr.dtype.element_ty), mask=d_mask)
         tl.store(scale_cache_ptr + block * stride_sb + offset * stride_so, scale)
     else:
