@@ -4,7 +4,7 @@ What they compute is `dsa_indexer_reference.py` (the ground truth the tests comp
 
 Layout (the indexer cache kind, docs/mla.md):
   key_cache     [num_blocks, block_size, D]  model dtype or float8_e4m3fn, contiguous
-  scale_cache   [num_blocks, block_size, 1]  float32, fp8 keys only
+  scale_cache   [num_blocks, block_size, 1]  float32, fp8 keys only (or [num_blocks, block_size])
   block_tables  int32 [num_seqs, max_blocks]; position p of sequence i lives in block
                 block_tables[i, p // block_size] at offset p % block_size
   seq_lens      int32 [num_seqs], the context INCLUDING the step's new tokens
@@ -73,7 +73,9 @@ def _check_cache(key_cache, scale_cache):
     assert key_cache.dim() == 3 and key_cache.is_contiguous(), "key_cache [num_blocks, block_size, D], contiguous"
     if key_cache.dtype == FP8_DTYPE:
         assert scale_cache is not None and scale_cache.dtype == torch.float32, "fp8 keys need a float32 scale cache"
-        assert scale_cache.shape == (*key_cache.shape[:2], 1), scale_cache.shape
+        # [num_blocks, block_size, 1] as allocated, or that plane squeezed: the kernels read it
+        # through its first two strides only.
+        assert tuple(scale_cache.shape) in ((*key_cache.shape[:2], 1), tuple(key_cache.shape[:2])), scale_cache.shape
 
 
 def write_indexer_keys_triton(k, key_cache, scale_cache, slot_mapping) -> None:

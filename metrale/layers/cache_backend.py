@@ -29,7 +29,8 @@ _MODULES = {
             "triton": "metrale.layers.linear_attention.triton_backend"},
     "mla": {"torch": "metrale.layers.mla.torch_backend",
             "triton": "metrale.layers.mla.triton_backend"},
-    "indexer": {"torch": "metrale.layers.mla.indexer_torch_backend"},  # DSA's indexer keys (layers/mla/indexer.py)
+    "indexer": {"torch": "metrale.layers.mla.indexer_torch_backend",  # DSA's indexer keys (layers/mla/indexer.py)
+                "triton": "metrale.layers.mla.indexer_triton_backend"},
 }
 _REGISTRY: dict[tuple[str, str], type["CacheBackend"]] = {}
 
