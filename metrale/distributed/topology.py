@@ -24,6 +24,7 @@ import logging
 from dataclasses import dataclass
 
 from metrale.config.errors import StartupError
+from metrale.distributed.head_split import attention_split
 
 logger = logging.getLogger(__name__)
 
@@ -108,25 +109,13 @@ def check_expert_layout(topology: Topology, expert_layout: str) -> None:
             f"world_size={topology.world_size}. Use --moe-expert-layout ep.")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def check_attention_heads(architecture: str, num_heads: int, num_kv_heads: int, tp_size: int) -> None:
-    """Attention heads split evenly over the TP ranks; KV heads too, or, when there are fewer KV
-    heads than ranks, each is replicated on tp_size / num_kv_heads ranks (which must divide)."""
+    """Attention heads split over the TP ranks by distributed/head_split.py's rules: evenly where
+    they divide, else as evenly as possible in whole KV groups; KV heads fewer than the ranks are
+    replicated on tp_size / num_kv_heads ranks (which must divide)."""
     if tp_size <= 1:
         return
-    if num_heads % tp_size:
-        raise TopologyError(
-            f"{architecture}: {num_heads} attention heads cannot be split evenly over tp_size={tp_size}; "
-            f"tensor-parallel sizes that divide them: {', '.join(map(str, _divisors(num_heads)))}")
-    if num_kv_heads >= tp_size and num_kv_heads % tp_size:
-        raise TopologyError(
-            f"{architecture}: {num_kv_heads} KV heads cannot be split evenly over tp_size={tp_size}; "
-            f"use a tp_size that divides {num_kv_heads}, or a multiple of it that divides {num_heads}")
-    if num_kv_heads < tp_size and tp_size % num_kv_heads:
-        raise TopologyError(
-            f"{architecture}: {num_kv_heads} KV heads cannot be replicated evenly over tp_size={tp_size} "
-            f"(tp_size must be a multiple of the KV head count to replicate each head on the same number "
-            f"of ranks)")
+    try:
+        attention_split(num_heads, num_kv_heads, tp_size)
+    except ValueError as e:
+        raise TopologyError(f"{architecture}: {e}") from None

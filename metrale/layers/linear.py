@@ -4,6 +4,11 @@ Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copi
 slice of a checkpoint tensor into it. Column-parallel layers split the output dimension, row-
 parallel ones the input dimension and all-reduce their output; models never branch on TP size.
 
+Uneven head splits (distributed/head_split.py): a column-parallel layer may take an explicit
+`output_partition` (rows per rank, in whole heads x head width) and a row-parallel one the matching
+`input_partition`; the loaders slice the checkpoint from the sum of the earlier ranks' shares.
+Without one, a size must divide over the ranks, as before.
+
 A layer may hold its weight in FP8 (`layers/quantization/fp8_layers.py` sets `fp8` and adds the weight
 scales): the loaders are the same, since they only move rows and columns, and scales are loaded
 one row per weight row through them.
@@ -15,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metrale.distributed.head_split import attention_split, scaled, starts_of
 from metrale.distributed.parallel_state import get_tp_group
 from metrale.kernels.gemv import gemv
 from metrale.layers.deferred_weights import new_weight
@@ -24,6 +30,16 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
     return numerator // denominator
+
+
+def rank_partition(size: int, tp_size: int, partition: tuple[int, ...] | None, what: str) -> tuple[int, ...]:
+    """Each rank's share of `size`: the given partition (checked), else an even split."""
+    if partition is None:
+        return (divide(size, tp_size, what),) * tp_size
+    partition = tuple(partition)
+    if len(partition) != tp_size or sum(partition) != size:
+        raise ValueError(f"{what} {size}: partition {partition} is not one share per rank of {tp_size}")
+    return partition
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
@@ -82,25 +98,33 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """y = x W^T with W's rows (the output features) split over the TP ranks; no communication."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 output_partition: tuple[int, ...] | None = None):
+        """`output_partition`: the output rows of each rank (an uneven head split); default even."""
         tp = get_tp_group()
-        super().__init__(input_size, divide(output_size, tp.size, "output size"), bias)
+        self.output_partition = rank_partition(output_size, tp.size, output_partition, "output size")
+        self.output_offset = starts_of(self.output_partition)[tp.rank]
+        super().__init__(input_size, self.output_partition[tp.rank], bias)
 
     def weight_loader(self, param, loaded, shard_id=None):
         rows = param.shape[0]
-        _copy_checked(param, loaded.narrow(0, self.tp.rank * rows, rows), type(self).__name__)
+        _copy_checked(param, loaded.narrow(0, self.output_offset, rows), type(self).__name__)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input stacked in one matmul (gate and up). Each
     is split over the TP ranks on its own: a rank's output is its part of every projection."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 output_partitions: list[tuple[int, ...]] | None = None):
+        """`output_partitions`: each projection's rows per rank (uneven head splits); default even."""
         tp = get_tp_group()
-        for size in output_sizes:
-            divide(size, tp.size, "output size")
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        self.output_partitions = [rank_partition(size, tp.size, None if output_partitions is None
+                                                 else output_partitions[i], "output size")
+                                  for i, size in enumerate(output_sizes)]
+        rank_rows = tuple(sum(p[r] for p in self.output_partitions) for r in range(tp.size))
+        super().__init__(input_size, sum(output_sizes), bias, output_partition=rank_rows)
 
     def weight_loader(self, param, loaded, shard_id: int | tuple[int, ...] = 0):
         """`shard_id`: which projection `loaded` is; a tuple: several, concatenated in order."""
@@ -112,43 +136,51 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             for shard, part in zip(shard_id, loaded.split(sizes)):
                 self.weight_loader(param, part, shard)
             return
-        load_column_segments(param, loaded, [self.output_sizes[shard_id]],
-                             self.tp, param_offset=sum(self.output_sizes[:shard_id]) // self.tp.size,
-                             name=f"{type(self).__name__}[{shard_id}]")
+        rank = self.tp.rank
+        load_column_segments(param, loaded, [self.output_sizes[shard_id]], self.tp,
+                             param_offset=sum(p[rank] for p in self.output_partitions[:shard_id]),
+                             name=f"{type(self).__name__}[{shard_id}]",
+                             partitions=[self.output_partitions[shard_id]])
 
 
 def load_column_segments(param: torch.Tensor, loaded: torch.Tensor, segments: list[int], tp, param_offset: int = 0,
-                         name: str = "parameter") -> None:
-    """`loaded` stacks `segments` (full sizes, along dim 0); each is split over the TP ranks, and
-    this rank's slices go into `param` back to back from row `param_offset`."""
+                         name: str = "parameter", partitions: list[tuple[int, ...]] | None = None) -> None:
+    """`loaded` stacks `segments` (full sizes, along dim 0); each is split over the TP ranks (by
+    its entry of `partitions`, else evenly), and this rank's slices go into `param` back to back
+    from row `param_offset`."""
     if loaded.shape[0] != sum(segments):
         raise ValueError(f"{name}: checkpoint rows {loaded.shape[0]} do not match {sum(segments)}")
     full_offset, offset = 0, param_offset
-    for size in segments:
-        local = size // tp.size
-        _copy_checked(param.data.narrow(0, offset, local), loaded.narrow(0, full_offset + tp.rank * local, local), name)
+    for i, size in enumerate(segments):
+        partition = (size // tp.size,) * tp.size if partitions is None else partitions[i]
+        local, start = partition[tp.rank], starts_of(partition)[tp.rank]
+        _copy_checked(param.data.narrow(0, offset, local), loaded.narrow(0, full_offset + start, local), name)
         full_offset, offset = full_offset + size, offset + local
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Q, K and V in one matmul. Heads split over the TP ranks; when there are fewer KV heads than
-    ranks, each KV head is replicated on tp_size // num_kv_heads ranks. `q_per_head` > 1: each
-    query head's rows carry that many head_dim blocks (gated attention: the query, then its
-    output gate)."""
+    """Q, K and V in one matmul. Heads split over the TP ranks by `attention_split`: evenly, or
+    unevenly in whole KV groups; when there are fewer KV heads than ranks, each KV head is
+    replicated on tp_size // num_kv_heads ranks. `q_per_head` > 1: each query head's rows carry
+    that many head_dim blocks (gated attention: the query, then its output gate)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
                  q_per_head: int = 1):
         tp = get_tp_group()
         self.head_dim, self.q_per_head = head_dim, q_per_head
-        self.num_heads = divide(num_heads, tp.size, "number of attention heads")
-        if num_kv_heads >= tp.size:
-            self.num_kv_heads = divide(num_kv_heads, tp.size, "number of KV heads")
-        else:
-            divide(tp.size, num_kv_heads, "TP size over KV heads")
-            self.num_kv_heads = 1
+        self.split = attention_split(num_heads, num_kv_heads, tp.size)
+        self.num_heads, self.num_kv_heads = self.split.q_heads[tp.rank], self.split.kv_heads[tp.rank]
         self.total_num_kv_heads = num_kv_heads
         output = (self.num_heads * q_per_head + 2 * self.num_kv_heads) * head_dim
         LinearBase.__init__(self, hidden_size, output, bias)
+
+    def query_partition(self, width: int) -> tuple[int, ...]:
+        """Each rank's query features at `width` per head: the o_proj input partition to match."""
+        return scaled(self.split.q_heads, width)
+
+    def uneven_head_split(self) -> str | None:
+        """What the startup log says of this layer's split; None when it is even."""
+        return self.split.describe() if self.split.uneven else None
 
     @property
     def q_size(self) -> int:
@@ -159,31 +191,36 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.num_kv_heads * self.head_dim
 
     def weight_loader(self, param, loaded, shard_id: str = "q"):
-        tp = self.tp
+        rank = self.tp.rank
         if shard_id == "q":
-            offset, size, index = 0, self.q_size, tp.rank
+            offset, size, start = 0, self.q_size, self.split.q_start[rank] * self.head_dim * self.q_per_head
         else:
             offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
-            size = self.kv_size
-            replicas = max(1, tp.size // self.total_num_kv_heads)
-            index = tp.rank // replicas
-        part = loaded.narrow(0, index * size, size)
+            size, start = self.kv_size, self.split.kv_start[rank] * self.head_dim
+        part = loaded.narrow(0, start, size)
         _copy_checked(param.data.narrow(0, offset, size), part, f"{type(self).__name__}[{shard_id}]")
 
 
 class RowParallelLinear(LinearBase):
     """y = x W^T with W's columns (the input features) split; partial sums are all-reduced."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 input_partition: tuple[int, ...] | None = None):
+        """`input_partition`: the input features of each rank (an uneven head split, matching the
+        column-parallel layer before it); default even."""
         tp = get_tp_group()
-        super().__init__(divide(input_size, tp.size, "input size"), output_size, bias)
+        self.input_partition = rank_partition(input_size, tp.size, input_partition, "input size")
+        self.input_offset = starts_of(self.input_partition)[tp.rank]
+        super().__init__(self.input_partition[tp.rank], output_size, bias)
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:  # the bias is added once, after the reduction
             _copy_checked(param, loaded, type(self).__name__)
             return
-        cols = param.shape[1]
-        _copy_checked(param, loaded.narrow(1, self.tp.rank * cols, cols), type(self).__name__)
+        # An FP8 scale's columns cover `column_unit` features each; quantization/apply.py refuses a
+        # partition whose shares are not whole blocks, so the offset divides.
+        cols, unit = param.shape[1], getattr(param, "column_unit", 1)
+        _copy_checked(param, loaded.narrow(1, self.input_offset // unit, cols), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(self.matmul(x, None))

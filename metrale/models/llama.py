@@ -24,7 +24,8 @@ class LlamaAttention(nn.Module):
         head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
                                           config.num_kv_heads, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias,
+                                        input_partition=self.qkv_proj.query_partition(head_dim))
         self.rotary_emb = RotaryEmbedding(config.hf_config, head_dim, config.max_model_len, rotary_dim=rotary_dim)
         self.attn = Attention(self.qkv_proj.num_heads, head_dim, head_dim ** -0.5, self.qkv_proj.num_kv_heads,
                               layer_index, rotary=self.rotary_emb, qk_norm=qk_norm)

@@ -56,6 +56,10 @@ class MiniMaxM2Attention(LlamaAttention):
         hf, head_dim, tp = config.hf_config, config.head_dim, get_tp_group()
         rotary_dim = int(head_dim * rope_parameters(hf).get("partial_rotary_factor", 1.0))
         super().__init__(config, layer_index, qkv_bias=False, o_bias=False, rotary_dim=rotary_dim)
+        if self.qkv_proj.split.uneven:  # the full-width norms slice their weight in equal shards
+            raise ValueError(f"{config.num_attention_heads} attention heads and {config.num_kv_heads} KV heads split "
+                             f"unevenly over tp_size={tp.size} ({self.qkv_proj.split.describe()}), which MiniMax-M2's "
+                             f"full-width q/k norms do not support yet; use a tp size that divides the heads")
         replicas = max(1, tp.size // config.num_kv_heads)
         self.q_norm = FullWidthRMSNorm(config.num_attention_heads * head_dim, self.qkv_proj.q_size,
                                        hf.rms_norm_eps, shard_index=tp.rank)

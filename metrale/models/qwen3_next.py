@@ -34,7 +34,8 @@ class GatedAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
                                           config.num_kv_heads, bias=getattr(hf, "attention_bias", False), q_per_head=2)
         self.num_heads, self.head_dim = self.qkv_proj.num_heads, head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=False,
+                                        input_partition=self.qkv_proj.query_partition(head_dim))
         self.q_norm = ZeroCentredRMSNorm(head_dim, hf.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(head_dim, hf.rms_norm_eps)
         rotary_dim = int(head_dim * rope_parameters(hf).get("partial_rotary_factor", 1.0))

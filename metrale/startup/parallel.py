@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 
 from metrale.config.engine_args import EngineArgs
 from metrale.config.model_config import ModelConfig
+from metrale.distributed.head_split import attention_split, is_uneven, per_rank
 from metrale.distributed.launch import (ParallelRuntime, ensure_no_live_groups, join_ranks, shard_sizes_of,
                                         topology_from_args)
 from metrale.distributed.rank_access import is_loopback
@@ -20,15 +22,49 @@ logger = logging.getLogger(__name__)
 def check_model_split(config: ModelConfig, topology: Topology, expert_layout: str) -> None:
     """Refuse, before any process starts, a model this topology cannot split: the head counts,
     then a dry build on the meta device with this rank's shard sizes (expert ranges, intermediate
-    slices, linear-attention heads), whose complaints are given the architecture and the sizes."""
+    slices, linear-attention heads), whose complaints are given the architecture and the sizes.
+    Heads that split unevenly are logged from that build (`log_uneven_head_splits`)."""
     check_expert_layout(topology, expert_layout)
     check_attention_heads(config.architecture, config.num_attention_heads, config.num_kv_heads, topology.tp_size)
     try:
         with shard_sizes_of(topology, expert_layout), torch.device("meta"):
-            get_model_class(config.architecture)(config)
+            model = get_model_class(config.architecture)(config)
     except ValueError as e:
         raise TopologyError(f"{config.architecture} cannot be split over tp_size={topology.tp_size}, "
                             f"ep_size={topology.ep_size} (--moe-expert-layout {expert_layout}): {e}") from None
+    if topology.rank == 0:  # every rank checks its split; one says so
+        log_uneven_head_splits(model, topology.tp_size)
+
+
+def log_uneven_head_splits(model: torch.nn.Module, tp_size: int) -> None:
+    """One line per distinct uneven split: the layers' names (model layer numbers folded into a
+    list) and the heads each rank holds. Layers that split heads answer `uneven_head_split()`."""
+    layers_by_split: dict[tuple[str, str], list[int]] = {}
+    for name, module in model.named_modules():
+        describe = getattr(module, "uneven_head_split", None)
+        split = describe() if callable(describe) else None
+        if split is None:
+            continue
+        match = _LAYER_NUMBER.search(name)
+        pattern = _LAYER_NUMBER.sub(".layers.*.", name) if match else name
+        layers_by_split.setdefault((pattern, split), []).append(int(match.group(1)) if match else -1)
+    for (pattern, split), numbers in layers_by_split.items():
+        where = "" if numbers == [-1] else f" in {len(numbers)} layer(s) {_ranges(numbers)}"
+        logger.info("Uneven TP head split over tp_size=%d: %s%s: %s", tp_size, pattern, where, split)
+
+
+_LAYER_NUMBER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def start_parallel(args: EngineArgs, config: ModelConfig, device: torch.device,
@@ -55,11 +91,11 @@ def ranks_started_here(args: EngineArgs, spawned: bool = False) -> int:
 
 def local_head_counts(config: ModelConfig, tp_size: int) -> str:
     """Each rank's share of the attention and linear-attention heads (KV heads replicated when
-    fewer than the ranks)."""
+    fewer than the ranks); an uneven share prints per rank (2/2/1)."""
     hf = config.hf_config
-    counts = {"num_attention_heads": config.num_attention_heads // tp_size,
-              "num_key_value_heads": max(1, config.num_kv_heads // tp_size)}
+    split = attention_split(config.num_attention_heads, config.num_kv_heads, tp_size)
+    counts = {"num_attention_heads": split.q_heads, "num_key_value_heads": split.kv_heads}
     for name in ("linear_num_key_heads", "linear_num_value_heads"):
         if getattr(hf, name, None):
-            counts[name] = getattr(hf, name) // tp_size
-    return ", ".join(f"{name}={value}" for name, value in counts.items())
+            counts[name] = (getattr(hf, name) // tp_size,)
+    return ", ".join(f"{name}={per_rank(value) if is_uneven(value) else value[0]}" for name, value in counts.items())

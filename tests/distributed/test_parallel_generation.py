@@ -201,7 +201,8 @@ def _assert_nothing_started():
 def test_heads_that_do_not_divide_are_refused_with_the_model_and_sizes(tmp_path):
     path = make_checkpoint(str(tmp_path / "qwen3_3heads"), "qwen3", num_attention_heads=3, num_key_value_heads=1)
     with pytest.raises(TopologyError, match=r"^Qwen3ForCausalLM: 3 attention heads cannot be split evenly over "
-                                            r"tp_size=2; tensor-parallel sizes that divide them: 1, 3$"):
+                                            r"tp_size=2, and with fewer KV heads \(1\) than ranks .* "
+                                            r"tensor-parallel sizes that work: 1, 3$"):
         engine(path, tp_size=2, master_port=free_port())
     _assert_nothing_started()
 

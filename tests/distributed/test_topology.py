@@ -110,13 +110,14 @@ def test_attention_heads_that_divide_or_replicate():
     check_attention_heads("LlamaForCausalLM", 32, 8, 8)
     check_attention_heads("LlamaForCausalLM", 32, 2, 8)  # each KV head on 4 ranks
     check_attention_heads("LlamaForCausalLM", 4, 1, 2)
+    check_attention_heads("LlamaForCausalLM", 6, 6, 4)  # uneven: 2/2/1/1 (tests/distributed/test_uneven_head_split.py)
+    check_attention_heads("LlamaForCausalLM", 12, 6, 4)  # uneven in whole KV groups: KV 2/2/1/1, query 4/4/2/2
 
 
 @pytest.mark.parametrize("heads, kv_heads, tp, fragment", [
-    (6, 6, 4, "6 attention heads cannot be split evenly over tp_size=4; tensor-parallel sizes that divide them: "
-              "1, 2, 3, 6"),
-    (12, 6, 4, "6 KV heads cannot be split evenly over tp_size=4"),
+    (6, 2, 4, "6 attention heads cannot be split evenly over tp_size=4, and with fewer KV heads (2) than ranks"),
     (12, 3, 4, "3 KV heads cannot be replicated evenly over tp_size=4"),
+    (10, 4, 2, "10 attention heads do not form whole groups over 4 KV heads"),
 ])
 def test_attention_heads_that_do_not_divide_name_the_model_and_sizes(heads, kv_heads, tp, fragment):
     with pytest.raises(TopologyError) as e:

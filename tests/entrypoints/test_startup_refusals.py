@@ -112,13 +112,13 @@ def test_debug_shows_the_traceback(capsys):
 
 
 def test_a_topology_the_model_cannot_take_is_one_line(checkpoint_factory, capsys):
-    # 4 attention heads do not split over 3 ranks: refused before any process starts
+    # 2 KV heads cannot be replicated over 3 ranks (nor split: fewer than the ranks): refused before any process starts
     path = checkpoint_factory("llama")
     capsys.readouterr()
     code = main(["generate", "--model", path, "--device", "cpu", "--prompt", "x", "--tensor-parallel-size", "3"])
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err and err.count("\n") == 1, err
-    assert err.startswith("error: LlamaForCausalLM: 4 attention heads cannot be split evenly over tp_size=3")
+    assert err.startswith("error: LlamaForCausalLM: 2 KV heads cannot be replicated evenly over tp_size=3")
 
 
 def test_unsupported_activation_is_refused(checkpoint_copy, capsys):

@@ -8,9 +8,10 @@ Expert layers are FP8 unless their module is listed.
 
 Tensor parallelism: a shard that cuts a block of the input features (a row-parallel layer's
 columns, an expert's intermediate slice) is refused, naming the tp sizes that keep blocks
-whole. Output rows may split anywhere: scales load one row per weight row (scales.py), so any
-row split is exact; a layer whose split cuts its blocks keeps per-row scales, and a line in the
-log says which tp sizes would not.
+whole; under an uneven head split every rank's share must be whole blocks. Output rows may
+split anywhere: scales load one row per weight row (scales.py), so any row split is exact; a
+layer whose split cuts its blocks keeps per-row scales, and a line in the log says which tp
+sizes would not.
 """
 
 from __future__ import annotations
@@ -46,10 +47,14 @@ def working_tp_sizes(features: int, block: int, limit: int = 16) -> list[int]:
     return [t for t in range(1, limit + 1) if features % t == 0 and (t == 1 or (features // t) % block == 0)]
 
 
-def _check_input_split(what: str, full: int, tp: int, block_k: int) -> None:
-    if tp > 1 and (full // tp) % block_k:
+def _check_input_split(what: str, full: int, tp: int, block_k: int,
+                       partition: tuple[int, ...] | None = None) -> None:
+    """`partition`: each rank's input features when they split unevenly (default full / tp each)."""
+    partition = partition or (full // tp,) * tp
+    if tp > 1 and any(share % block_k for share in partition):
         sizes = ", ".join(map(str, working_tp_sizes(full, block_k)))
-        raise TopologyError(f"{what}: its {full} input features split over {tp} ranks into {full // tp} per rank, "
+        shares = "/".join(map(str, partition)) if len(set(partition)) > 1 else str(partition[0])
+        raise TopologyError(f"{what}: its {full} input features split over {tp} ranks into {shares} per rank, "
                             f"which cuts the {block_k}-wide groups its FP8 scales cover; tp sizes that keep "
                             f"them whole: {sizes}")
 
@@ -57,7 +62,7 @@ def _check_input_split(what: str, full: int, tp: int, block_k: int) -> None:
 def _output_segments(layer: LinearBase) -> list[int]:
     """Per-rank row counts of the checkpoint pieces a column-parallel layer stacks."""
     if hasattr(layer, "output_sizes"):
-        return [size // layer.tp.size for size in layer.output_sizes]
+        return [partition[layer.tp.rank] for partition in layer.output_partitions]
     if hasattr(layer, "q_size"):
         return [layer.q_size, layer.kv_size, layer.kv_size]
     return [layer.output_size]
@@ -73,7 +78,7 @@ def _note_output_split(name: str, layer: LinearBase, block_n: int) -> None:
 
 def _linear_to_fp8(name: str, layer: LinearBase, config: Fp8Config, device) -> None:
     if isinstance(layer, RowParallelLinear):
-        _check_input_split(name, layer.input_size * layer.tp.size, layer.tp.size, config.block_k)
+        _check_input_split(name, sum(layer.input_partition), layer.tp.size, config.block_k, layer.input_partition)
     _note_output_split(name, layer, config.block_n)
     old = layer.weight
     layer.weight = fp8_parameter(*old.shape, device=device, like=old)
