@@ -29,8 +29,9 @@ qk_rope_head_dim] per token in the model dtype, under the block table every page
 An fp8 cache is refused (--kv-cache-dtype fp8 quantizes K/V with per-layer scales; a latent
 cache has no such path yet); `--kv-cache-dtype-skip-layers` may keep MLA layers out of it.
 
-Tensor parallelism: heads split over the ranks (q_b_proj / q_proj and kv_b_proj column-parallel,
-their rows head-major; o_proj row-parallel); q_a_proj, kv_a_proj_with_mqa and both norms are
+Tensor parallelism: heads split over the ranks, as evenly as possible where they do not divide
+(q_b_proj / q_proj and kv_b_proj column-parallel, their rows head-major; o_proj row-parallel,
+every rank its heads' columns); q_a_proj, kv_a_proj_with_mqa and both norms are
 replicated, so the latent, and so the cache, is the same on every rank.
 
 RoPE, as transformers' DeepseekV3Attention: with `rope_interleaved` (rope_interleave, DeepSeek's
@@ -60,11 +61,12 @@ from torch import nn
 
 from metrale.config.cache_config import FP8, CacheConfig
 from metrale.config.errors import OptionError
+from metrale.distributed.head_split import is_uneven, per_rank, scaled, split_evenly
 from metrale.distributed.parallel_state import get_tp_group
 from metrale.kernels.fp8_math import dequantize_weight
 from metrale.layers.cache_spec import PagedCacheSpec
 from metrale.layers.forward_context import get_forward_context
-from metrale.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, divide
+from metrale.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from metrale.layers.mla.backend import LatentUpProjection
 from metrale.layers.mla.indexer import KIND as INDEXER_KIND
 from metrale.layers.mla.indexer import DSAIndexer
@@ -114,18 +116,28 @@ class MLAAttention(nn.Module):
                              f"which needs a q_lora_rank")
         self.dims, self.layer_index, self.scale = dims, layer_index, scale
         self.rope_interleaved = rope_interleaved
-        self.num_heads = divide(dims.num_heads, get_tp_group().size, "number of attention heads")
+        tp = get_tp_group()
+        # Heads split as evenly as possible (distributed/head_split.py); every per-head projection
+        # takes the same per-rank head counts, the latent stays whole.
+        self.heads_per_rank = split_evenly(dims.num_heads, tp.size)
+        self.num_heads = self.heads_per_rank[tp.rank]
+        q_rows = scaled(self.heads_per_rank, dims.qk_head_dim)
         if dims.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(dims.hidden_size, dims.num_heads * dims.qk_head_dim)
+            self.q_proj = ColumnParallelLinear(dims.hidden_size, dims.num_heads * dims.qk_head_dim,
+                                               output_partition=q_rows)
         else:
             self.q_a_proj = ReplicatedLinear(dims.hidden_size, dims.q_lora_rank)
             self.q_a_layernorm = RMSNorm(dims.q_lora_rank, latent_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(dims.q_lora_rank, dims.num_heads * dims.qk_head_dim)
+            self.q_b_proj = ColumnParallelLinear(dims.q_lora_rank, dims.num_heads * dims.qk_head_dim,
+                                                 output_partition=q_rows)
         self.kv_a_proj_with_mqa = ReplicatedLinear(dims.hidden_size, dims.latent_dim)
         self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, latent_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(dims.kv_lora_rank, dims.num_heads * (dims.qk_nope_head_dim
-                                                                                   + dims.v_head_dim))
-        self.o_proj = RowParallelLinear(dims.num_heads * dims.v_head_dim, dims.hidden_size)
+                                                                                   + dims.v_head_dim),
+                                              output_partition=scaled(self.heads_per_rank, dims.qk_nope_head_dim
+                                                                      + dims.v_head_dim))
+        self.o_proj = RowParallelLinear(dims.num_heads * dims.v_head_dim, dims.hidden_size,
+                                        input_partition=scaled(self.heads_per_rank, dims.v_head_dim))
         self.rotary_emb = rotary
         self.indexer = indexer
         self.selection_source = selection_source
@@ -165,6 +177,10 @@ class MLAAttention(nn.Module):
                                        self.model_dtype)
         weight = weight.view(self.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
         self.up = LatentUpProjection(kv_b, weight[:, :d.qk_nope_head_dim], weight[:, d.qk_nope_head_dim:])
+
+    def uneven_head_split(self) -> str | None:
+        """What the startup log says of this layer's split; None when it is even."""
+        return f"heads {per_rank(self.heads_per_rank)} per rank" if is_uneven(self.heads_per_rank) else None
 
     def derived_weight_bytes(self) -> int:
         """Bytes the post-load hook adds beyond the parameters (the memory plan counts them, from
