@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from metrale.config.errors import OptionError
 from metrale.config.quantization import SUPPORTED_METHODS
+from metrale.config.speculative_config import SpeculativeConfig
 
 
 def option(default, help: str, choices: tuple | None = None, flag: str | None = None, parse=None,
@@ -146,6 +147,14 @@ class EngineArgs:
                                           "intermediate dimension is sliced over the TP ranks", choices=("ep", "tp"))
     all_reduce_oneshot_max_kb: int = option(0, "CUDA all-reduces of at most this many KiB use a one-shot "
                                                 "symmetric-memory path, larger ones NCCL's; 0: always NCCL's")
+    speculative_config: str | dict = option("", "JSON object of speculative decoding, named as vLLM names it: "
+                                                "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                                                "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' "
+                                                "(docs/speculative.md)", parse=str)
+    speculative: bool = option(False, "Draft with the model's own MTP / next-n layers (not built yet: refused; "
+                                      "use --speculative-config with method ngram)")
+    num_drafts: int | None = option(None, "Tokens a drafter proposes per step (speculative_config's "
+                                          "num_speculative_tokens when that leaves it out)")
 
     def __post_init__(self) -> None:
         if self.pipeline_parallel_size != 1:
@@ -181,6 +190,11 @@ class EngineArgs:
                              f"{', '.join(SUPPORTED_METHODS)} (block FP8 checkpoints load without it, from their "
                              f"quantization_config)")
         self.config_overrides  # validates
+        if self.speculative:
+            raise ValueError("--speculative drafts with the model's MTP / next-n layers, which met does not run "
+                             "yet; --speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                             "drafts by prompt lookup (docs/speculative.md)")
+        self.speculative_decoding  # validates
         if not self.structured_outputs_timeout > 0:
             raise ValueError(f"structured_outputs_timeout must be > 0, got {self.structured_outputs_timeout}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -206,6 +220,11 @@ class EngineArgs:
         if not isinstance(overrides, dict):
             raise ValueError(f"hf_overrides must be a JSON object, got {self.hf_overrides!r}")
         return overrides
+
+    @property
+    def speculative_decoding(self) -> SpeculativeConfig | None:
+        """`speculative_config` (a dict, or a JSON object on the command line) parsed, or None."""
+        return SpeculativeConfig.parse(self.speculative_config, self.num_drafts)
 
     @property
     def kv_cache_skip_layers(self) -> frozenset[int]:

@@ -16,6 +16,7 @@ from metrale.messages.outputs import RequestOutput
 from metrale.engine.request import Request, RequestStatus
 from metrale.messages.sampling_params import SamplingParams
 from metrale.engine.scheduler import Scheduler
+from metrale.engine.ngram_drafter import NgramDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ class LLMEngine:
                                    max_model_len=self.model_config.max_model_len,
                                    enable_prefix_caching=args.enable_prefix_caching,
                                    num_state_slots=parts.plan.max_num_seqs if parts.plan.state_bytes_per_slot else 0,
-                                   num_checkpoint_slots=parts.plan.num_checkpoint_slots)
+                                   num_checkpoint_slots=parts.plan.num_checkpoint_slots,
+                                   drafter=self._drafter(args))
         self.outputs = OutputProcessor(self.tokenizer)
         # The launched step whose result is not applied yet (asynchronous scheduling only).
         self._inflight = None
@@ -70,9 +72,24 @@ class LLMEngine:
         self._seed_rng = random.Random(args.seed)
         self._children: dict[str, list[str]] = {}
 
+    @staticmethod
+    def _drafter(args: EngineArgs) -> NgramDrafter | None:
+        spec = args.speculative_decoding
+        if spec is None:
+            return None
+        logger.info("speculative decoding: %s drafts of up to %d tokens (prompt lookup n = %d..%d)", spec.method,
+                    spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
     def _resolve_async_scheduling(self, asked: bool | None) -> bool:
         """On by default where it pays: on a CUDA device the host plans step N+1 while the GPU
-        runs step N; on the CPU the host is the device, and there is nothing to overlap."""
+        runs step N; on the CPU the host is the device, and there is nothing to overlap. Off with
+        speculative decoding: drafts are proposed from a request's real last tokens, and a verify
+        step's token count is known only once it is read."""
+        if self.scheduler.drafter is not None:
+            if asked:
+                logger.warning("speculative decoding runs its steps synchronously; --async-scheduling is ignored")
+            return False
         if not self.executor.supports_async:
             if asked:
                 logger.warning("this executor cannot launch a step before reading the previous one; "
@@ -198,9 +215,13 @@ class LLMEngine:
     def _complete(self, plan, pending, touched: list[str]) -> None:
         result = pending.result()
         for request, new_tokens in self.scheduler.update(plan, result):
-            stop = self.outputs.process_tokens(request, new_tokens, result.logprobs.get(request.request_id))
-            if stop is not None:
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+            # One token at a time: a stop string that a verify step's first token completes ends
+            # the output there, as it would without speculation.
+            for token in new_tokens:
+                stop = self.outputs.process_tokens(request, [token], result.logprobs.get(request.request_id))
+                if stop is not None:
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+                    break
             if request.is_finished:
                 self._finish(request, touched)
             else:

@@ -44,6 +44,10 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.num_preemptions = 0
+        # Speculative decoding: the drafts of the step in flight, verified there. Until its result
+        # arrives, num_computed_tokens counts them (and one placeholder trails token_ids); the
+        # result rolls it back by the number rejected.
+        self.drafts_in_flight: list[int] = []
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -61,6 +65,13 @@ class Request:
         """The oldest pending token's value arrived."""
         self.token_ids[len(self.token_ids) - self.num_pending] = token_id
         self.num_pending -= 1
+
+    def resolve_verified(self, accepted: list[int], token_id: int) -> None:
+        """The verify step's result: the accepted drafts, then the token sampled after them, in
+        place of its one placeholder."""
+        assert self.num_pending == 1, "a verify step is the only step in flight for its request"
+        self.token_ids[-1:] = accepted + [token_id]
+        self.num_pending = 0
 
     def drop_placeholders(self) -> None:
         if self.num_pending:

@@ -6,7 +6,12 @@ as many tokens as the budget allows. Chunked prefill, decode and recompute after
 are the same path. When the KV pool runs dry, the newest running request is preempted: its
 blocks (and state slot) go back to the pool and it is recomputed later from the front of the
 waiting queue. All cache bookkeeping goes through the coordinator (kv_cache_coordinator.py).
-No torch here.
+
+Speculative decoding rides the same path: a running request whose tokens are all known and
+computed but the last gets drafts (engine/ngram_drafter.py) and is scheduled 1 + k tokens, with
+KV room for all of them. The result rolls num_computed_tokens back by the drafts rejected, so a
+rejected token's KV is overwritten later and never becomes part of a cached (hashed) block: the
+prefix cache only takes blocks whose tokens are all computed and known. No torch here.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from metrale.engine.kv_cache_coordinator import KVCacheCoordinator
+from metrale.engine.ngram_drafter import NgramDrafter
 from metrale.engine.request import Request, RequestStatus
+from metrale.engine.spec_stats import SpecDecodeStats
 from metrale.messages.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                              SchedulerOutput)
 
@@ -28,16 +35,26 @@ class SchedulerStats:
     num_preemptions_total: int
     prefix_cache_queries_total: int  # prompt tokens looked up
     prefix_cache_hits_total: int  # of those, tokens whose KV was reused
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
 
 
 class Scheduler:
     def __init__(self, *, num_kv_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, enable_prefix_caching: bool = False,
-                 num_state_slots: int = 0, num_checkpoint_slots: int = 0):
+                 num_state_slots: int = 0, num_checkpoint_slots: int = 0, drafter: NgramDrafter | None = None):
         """`num_state_slots`: per-request state slots of a model that keeps state (at least
-        max_num_seqs), 0 otherwise; `num_checkpoint_slots`: the prefix cache's state checkpoints."""
+        max_num_seqs), 0 otherwise; `num_checkpoint_slots`: the prefix cache's state checkpoints;
+        `drafter`: speculative decoding's drafter, or None."""
         if num_state_slots and num_state_slots < max_num_seqs:
             raise ValueError(f"{num_state_slots} state slots cannot hold {max_num_seqs} running sequences")
+        if drafter is not None and num_state_slots:
+            # A verify step would advance the recurrent state over rejected drafts, and nothing
+            # rolls it back yet (per-draft state slots or a recompute, docs/speculative.md).
+            raise ValueError("speculative decoding is not supported for models with per-request state "
+                             "(Gated DeltaNet / hybrid linear attention) yet: their recurrent state has no "
+                             "rollback of rejected drafts")
+        self.drafter = drafter
+        self.spec_stats = SpecDecodeStats() if drafter is not None else None
         self.kv = KVCacheCoordinator(num_kv_blocks, block_size, num_state_slots=num_state_slots,
                                      num_checkpoint_slots=num_checkpoint_slots,
                                      enable_prefix_caching=enable_prefix_caching)
@@ -79,6 +96,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.drop_placeholders()  # the steps that would have computed them are not its concern now
+        request.drafts_in_flight = []
         request.status = status
         self.kv.free(request.request_id)
         self.requests.pop(request.request_id, None)
@@ -103,7 +121,8 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions_total,
-                              self.kv.prefix_queries_total, self.kv.prefix_hits_total)
+                              self.kv.prefix_queries_total, self.kv.prefix_hits_total,
+                              self.spec_stats.copy() if self.spec_stats is not None else None)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -119,11 +138,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if self._awaits_last_token(request):
-                index += 1
+            if self._awaits_last_token(request) or request.drafts_in_flight:
+                index += 1  # a verify step in flight: how many tokens it gives is not known yet
                 continue
             start = request.num_computed_tokens
-            num_new = self.kv.chunk_end(request.request_id, start, min(request.num_tokens, start + budget)) - start
+            drafts = self._propose(request, budget)
+            num_new = (1 + len(drafts) if drafts else
+                       self.kv.chunk_end(request.request_id, start, min(request.num_tokens, start + budget)) - start)
             new_blocks, preempted_others = self._allocate_or_preempt(request, num_new)
             preempted_this_step |= preempted_others
             if new_blocks is None:
@@ -140,6 +161,9 @@ class Scheduler:
                 break
             out.cached_requests.append(
                 CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
+            if drafts:
+                out.draft_token_ids[request.request_id] = drafts
+                request.drafts_in_flight = drafts
             self._schedule(request, num_new, out)
             budget -= num_new
             index += 1
@@ -149,6 +173,8 @@ class Scheduler:
         while (not preempted_this_step and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
+            if request.drafts_in_flight:
+                break  # preempted during its verify step: resumed once that result is in
             admitted = self._admit(request, budget, out)
             if admitted is None:
                 if not self.running:
@@ -195,10 +221,30 @@ class Scheduler:
     @staticmethod
     def _advance(request: Request, num_new: int) -> None:
         """Computation is counted when planned; a chunk that reaches the end of the sequence
-        samples a token, held as a placeholder until the step's result arrives."""
+        samples a token, held as a placeholder until the step's result arrives. A verify step's
+        count runs past the sequence by its drafts until the result rolls it back."""
         request.num_computed_tokens += num_new
-        if request.num_computed_tokens == request.num_tokens:
+        if request.num_computed_tokens >= request.num_tokens:
             request.add_placeholder()
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Drafts for a running request at its decode position, within the budget and its limits.
+        Requests that want logprobs or follow a grammar are not drafted (a step gives them one
+        token and one TokenLogprobs / bitmask, docs/speculative.md)."""
+        if (self.drafter is None or request.num_pending
+                or request.num_computed_tokens != request.num_tokens - 1):
+            return []
+        params = request.sampling_params
+        if params.logprobs is not None or params.structured_outputs is not None:
+            return []
+        # A verify step gives up to k + 1 tokens: never more than max_tokens or the context allow.
+        room = min(budget, self.max_model_len - request.num_tokens) - 1
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - request.num_output_tokens - 1)
+        drafts = self.drafter.propose(request.token_ids, room) if room > 0 else []
+        # Drafts never preempt another request: without free blocks for them, a plain step.
+        missing = self.kv.blocks_needed(request.num_tokens + len(drafts)) - len(self.kv.get_block_table(request.request_id))
+        return drafts if missing <= self.kv.num_free_blocks else []
 
     def _awaits_last_token(self, request: Request) -> bool:
         """A request whose pending token will be its last (max_tokens or the context length): no
@@ -235,20 +281,40 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
             token = result.sampled_token_ids.get(request_id)
-            if token is not None:
+            new_tokens = [token]
+            if request.drafts_in_flight:
+                new_tokens = self._apply_verification(request, result.num_accepted_drafts.get(request_id, 0), token)
+            elif token is not None:
                 request.resolve_placeholder(token)
             self.kv.cache_computed(request, min(request.num_computed_tokens, request.num_known_tokens))
             if token is None:
                 continue  # a prefill chunk that does not reach the end of the prompt
-            updates.append((request, [token]))
-            status = self._check_stop(request, token)
-            if status is not None:
-                self.finish_request(request_id, status, request.stop_reason)
+            for count, new_token in enumerate(new_tokens, start=1):
+                status = self._check_stop(request, new_token, len(new_tokens) - count)
+                if status is not None:
+                    # Tokens after the one that stops it are dropped, as if never sampled.
+                    del request.token_ids[request.num_tokens - (len(new_tokens) - count):]
+                    updates.append((request, new_tokens[:count]))
+                    self.finish_request(request_id, status, request.stop_reason)
+                    break
+            else:
+                updates.append((request, new_tokens))
         return updates
 
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+    def _apply_verification(self, request: Request, num_accepted: int, token: int) -> list[int]:
+        """A verify step's result: keep the accepted drafts and the sampled token, roll the
+        computed count back over the rejected drafts (their KV is stale from now on)."""
+        drafts, request.drafts_in_flight = request.drafts_in_flight, []
+        self.spec_stats.record(len(drafts), num_accepted)
+        if request.status == RequestStatus.RUNNING:
+            request.num_computed_tokens -= len(drafts) - num_accepted  # a preempted one restarts from 0
+        request.resolve_verified(drafts[:num_accepted], token)
+        return drafts[:num_accepted] + [token]
+
+    def _check_stop(self, request: Request, token: int, num_after: int = 0) -> RequestStatus | None:
+        """Whether `token`, followed by `num_after` more new tokens of this step, ends the request."""
         params = request.sampling_params
-        num_out = request.num_known_tokens - request.num_prompt_tokens
+        num_out = request.num_known_tokens - num_after - request.num_prompt_tokens
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token in params.eos_token_ids:
                 request.stop_reason = None
@@ -258,7 +324,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and num_out >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_known_tokens >= self.max_model_len:
+        if request.num_known_tokens - num_after >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

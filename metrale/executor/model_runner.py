@@ -6,7 +6,9 @@ tables, sequence lengths, state slots), runs the model under a ForwardContext wh
 each cache kind's backend builds from that layout, and samples where the logits are.
 
 A step on the device, in order: block copies and state restores the plan asks for, the forward
-pass, state checkpoints (`state_saves`), the sampler.
+pass, state checkpoints (`state_saves`), the sampler. A request with drafts (speculative
+decoding) is computed over its last token and its drafts, and the rejection sampler verifies them
+(executor/rejection_sampler.py); its runner tokens take the drafts only for that step's inputs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from metrale.config.cache_config import CacheConfig
 from metrale.config.model_config import ModelConfig
 from metrale.executor.cache_layout import CacheLayout
 from metrale.executor.cache_tensors import CacheTensors
+from metrale.executor.rejection_sampler import verify_drafts
 from metrale.executor.sampler import SampledTokens, SamplingRow, sample_tokens
 from metrale.kernels import kernel_path
 from metrale.layers.cache_backend import CacheBackend, get_backend
@@ -60,6 +63,9 @@ class BatchInputs:
     layout: BatchLayout
     logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
     sampled_request_ids: list[str]
+    # Speculative decoding: the rows of logits_indices each sampled request owns (1 + k for one
+    # with drafts, 1 otherwise), in sampled_request_ids' order; None without drafts in the batch.
+    logits_rows: list[range] | None = None
 
 
 class PendingOutput:
@@ -67,8 +73,9 @@ class PendingOutput:
     them, writes them over the runner's placeholders, and builds the ModelRunnerOutput."""
 
     def __init__(self, runner: "ModelRunner", request_ids: list[str], positions: list[int],
-                 sampled: SampledTokens | None):
+                 sampled: SampledTokens | None, verified: "VerifiedDrafts | None" = None):
         self.runner, self.request_ids, self.positions, self.sampled = runner, request_ids, positions, sampled
+        self.verified = verified
         self._result: ModelRunnerOutput | None = None
         self._host = self._event = None
         if sampled is not None and sampled.tokens.is_cuda:
@@ -88,15 +95,31 @@ class PendingOutput:
             else:
                 tokens = self.sampled.tokens.tolist()
             logprobs = self.sampled.logprobs(tokens)
+            accepted = self.verified.read() if self.verified is not None else {}
             for request_id, position, token, lp in zip(self.request_ids, self.positions, tokens, logprobs):
                 state = self.runner.requests.get(request_id)
-                if state is not None and position < len(state.token_ids) and state.token_ids[position] == PLACEHOLDER:
+                if request_id in accepted:
+                    drafts, num_accepted = accepted[request_id]
+                    out.num_accepted_drafts[request_id] = num_accepted
+                    if state is not None and state.token_ids[position:] == [PLACEHOLDER]:
+                        state.token_ids[position:] = drafts[:num_accepted] + [token]
+                elif state is not None and position < len(state.token_ids) and state.token_ids[position] == PLACEHOLDER:
                     state.token_ids[position] = token
                 out.sampled_token_ids[request_id] = token
                 if lp is not None:
                     out.logprobs[request_id] = lp
         self._result = out
         return out
+
+
+class VerifiedDrafts:
+    """A verify step's accepted counts on the device, and each verified request's drafts."""
+
+    def __init__(self, drafts: dict[str, list[int]], num_accepted: torch.Tensor):
+        self.drafts, self.num_accepted = drafts, num_accepted
+
+    def read(self) -> dict[str, tuple[list[int], int]]:
+        return {rid: (d, n) for (rid, d), n in zip(self.drafts.items(), self.num_accepted.tolist())}
 
 
 class ModelRunner:
@@ -202,6 +225,8 @@ class ModelRunner:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        for request_id, drafts in plan.draft_token_ids.items():
+            self.requests[request_id].token_ids.extend(drafts)  # this step's inputs; taken back once sampled
 
     def _upload(self, arrays: dict[str, np.ndarray], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """A step's index arrays of one dtype in ONE host->device copy: packed into one buffer
@@ -248,6 +273,12 @@ class ModelRunner:
         slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
         sampled_rows = [i for i, (_, st, _) in enumerate(scheduled) if seq_lens[i] == len(st.token_ids)]
         logits_indices = query_start[1:][sampled_rows] - 1
+        logits_rows = None
+        if plan.draft_token_ids:  # a request with k drafts samples its last 1 + k positions
+            counts = [1 + len(plan.draft_token_ids.get(scheduled[i][0], ())) for i in sampled_rows]
+            logits_indices = np.concatenate([np.arange(end - n + 1, end + 1) for end, n in zip(logits_indices, counts)])
+            bounds = np.cumsum([0] + counts).tolist()
+            logits_rows = [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
         holes = np.flatnonzero(input_ids == PLACEHOLDER)
         wide = {"input_ids": input_ids, "positions": positions, "slots": slots, "logits_indices": logits_indices}
         if holes.size:  # tokens the previous step sampled and the host has not read yet: from the device
@@ -266,7 +297,8 @@ class ModelRunner:
             has_initial_state=dev["has_state"], max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()), query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
             is_pure_decode=bool(query_lens.max() == 1 and starts.min() > 0))
-        return BatchInputs(dev["input_ids"], layout, dev["logits_indices"], [scheduled[i][0] for i in sampled_rows])
+        return BatchInputs(dev["input_ids"], layout, dev["logits_indices"], [scheduled[i][0] for i in sampled_rows],
+                           logits_rows)
 
     def forward(self, batch: BatchInputs) -> torch.Tensor:
         """The hidden states of every token of the batch."""
@@ -303,15 +335,45 @@ class ModelRunner:
         if self.sampled_vocab_size is not None:
             logits = logits[:, :self.sampled_vocab_size].contiguous()
         states = [self.requests[request_id] for request_id in batch.sampled_request_ids]
-        sampled = sample_tokens(logits, [SamplingRow(st.sampling_params, st.seed, st.token_ids, st.num_prompt_tokens)
-                                         for st in states], self._token_bitmask(batch.sampled_request_ids, states))
+        verified = None
+        if plan.draft_token_ids:
+            sampled, verified = self._sample_and_verify(logits, batch, states, plan.draft_token_ids)
+        else:
+            sampled = sample_tokens(logits, [SamplingRow(st.sampling_params, st.seed, st.token_ids, st.num_prompt_tokens)
+                                             for st in states], self._token_bitmask(batch.sampled_request_ids, states))
         positions = []
         for state in states:
             positions.append(len(state.token_ids))
             state.token_ids.append(PLACEHOLDER)
         self._last_tokens = sampled.tokens
         self._last_rows = {request_id: row for row, request_id in enumerate(batch.sampled_request_ids)}
-        return PendingOutput(self, batch.sampled_request_ids, positions, sampled)
+        return PendingOutput(self, batch.sampled_request_ids, positions, sampled, verified)
+
+    def _sample_and_verify(self, logits: torch.Tensor, batch: BatchInputs, states: list[RunnerRequest],
+                           drafts: dict[str, list[int]]) -> tuple[SampledTokens, VerifiedDrafts]:
+        """A batch with drafts: plain rows through the sampler, drafted ones through the rejection
+        sampler; one token per request, in batch order. Drafted requests' runner tokens lose the
+        drafts again (the result puts back the accepted ones)."""
+        ids = batch.sampled_request_ids
+        plain = [i for i, rid in enumerate(ids) if rid not in drafts]
+        spec = [i for i, rid in enumerate(ids) if rid in drafts]
+        for i in spec:
+            del states[i].token_ids[-len(drafts[ids[i]]):]
+        rows = [SamplingRow(st.sampling_params, st.seed, st.token_ids, st.num_prompt_tokens) for st in states]
+        tokens = torch.empty(len(ids), dtype=torch.int64, device=logits.device)
+        plain_sampled = None
+        if plain:
+            plain_logits = logits[[batch.logits_rows[i].start for i in plain]]
+            plain_sampled = sample_tokens(plain_logits, [rows[i] for i in plain],
+                                          self._token_bitmask([ids[i] for i in plain], [states[i] for i in plain]))
+            tokens[plain] = plain_sampled.tokens
+        spec_logits = logits[[r for i in spec for r in batch.logits_rows[i]]]
+        num_accepted, spec_tokens = verify_drafts(spec_logits, [rows[i] for i in spec], [drafts[ids[i]] for i in spec])
+        tokens[spec] = spec_tokens
+        # Logprobs rows: requests that want them are never drafted, so they are all plain rows.
+        want = [plain[i] for i in plain_sampled.want_logprobs] if plain_sampled is not None else []
+        sampled = SampledTokens(tokens, rows, want, plain_sampled.raw_logprobs if plain_sampled is not None else None)
+        return sampled, VerifiedDrafts({ids[i]: drafts[ids[i]] for i in spec}, num_accepted)
 
     def _token_bitmask(self, request_ids: list[str], states: list[RunnerRequest]):
         """The constrained rows' token bitmask on the device, or None. Filled on the host while

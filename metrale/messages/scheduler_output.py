@@ -56,6 +56,9 @@ class SchedulerOutput:
     # (request slot, checkpoint slot) state copies after the forward pass: the request's chunk
     # ends on a block boundary whose state the prefix cache keeps.
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: a request's draft tokens, verified this step. Its scheduled tokens
+    # are 1 + len(drafts): the last known token, then the drafts, each position sampled.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -74,7 +77,8 @@ class SchedulerOutput:
                for r in wire["new_requests"]]
         cached = [CachedRequestData(**r) for r in wire["cached_requests"]]
         pairs = {name: [tuple(pair) for pair in wire[name]] for name in ("block_copies", "state_restores", "state_saves")}
-        return cls(new, cached, dict(wire["num_scheduled_tokens"]), list(wire["finished_request_ids"]), **pairs)
+        return cls(new, cached, dict(wire["num_scheduled_tokens"]), list(wire["finished_request_ids"]), **pairs,
+                   draft_token_ids={rid: list(d) for rid, d in wire.get("draft_token_ids", {}).items()})
 
 
 @dataclass
@@ -92,3 +96,7 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Speculative decoding: how many of a request's drafts were accepted, in order. Its new tokens
+    # are those drafts, then its sampled token (the resampled one at the first rejection, or the
+    # bonus token after the last draft).
+    num_accepted_drafts: dict[str, int] = field(default_factory=dict)

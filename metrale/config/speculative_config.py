@@ -1,0 +1,73 @@
+"""SpeculativeConfig: which drafter proposes tokens, and how many, named as vLLM names them.
+
+Given as `speculative_config={...}` to `LLM(...)` or `--speculative-config JSON` on the command
+line. Only the n-gram drafter (prompt lookup) is built; every other method vLLM or the reference
+system knows is refused by name, so a configuration never silently runs without the drafter it
+asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+# Methods a user may reasonably ask for that met does not draft with yet (docs/speculative.md).
+NOT_BUILT_METHODS = ("mtp", "deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp", "dflash", "eagle", "eagle3",
+                     "medusa", "mlp_speculator", "draft_model", "suffix")
+BUILT_METHODS = ("ngram",)
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int  # k: the most draft tokens verified per request and step
+    # The n-gram drafter matches the sequence's last n tokens, n from max down to min, against
+    # its earlier tokens (prompt and output) and proposes the k tokens that followed the match.
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    @classmethod
+    def parse(cls, value: str | dict | None, num_drafts: int | None = None) -> "SpeculativeConfig | None":
+        """From a dict or a JSON object (None or "" : no speculation). `num_drafts` (the
+        reference system's --num-drafts) gives k when the config leaves it out. ValueError
+        names what is wrong."""
+        if value is None or (isinstance(value, str) and not value.strip()):
+            if num_drafts is not None:
+                raise ValueError("num_drafts sets how many tokens a drafter proposes, and no drafter is "
+                                 "configured: give speculative_config too")
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        unknown = sorted(set(value) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; met takes "
+                             f"{', '.join(_KEYS)}")
+        method = value.get("method")
+        if method in NOT_BUILT_METHODS:
+            raise ValueError(f"speculative_config method {method!r} is not built yet; the built method is "
+                             f"'ngram' (prompt lookup) (docs/speculative.md)")
+        if method not in BUILT_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(BUILT_METHODS)}, "
+                             f"got {method!r}")
+        k = value.get("num_speculative_tokens", num_drafts)
+        if num_drafts is not None and k != num_drafts:
+            raise ValueError(f"num_drafts {num_drafts} and speculative_config's num_speculative_tokens {k} "
+                             "disagree; give one")
+        lookup_max = value.get("prompt_lookup_max", value.get("prompt_lookup_min"))
+        lookup_min = value.get("prompt_lookup_min", lookup_max)
+        if lookup_min is None:
+            lookup_min = lookup_max = 3  # neither given: vLLM's default window
+        for name, number in (("num_speculative_tokens", k), ("prompt_lookup_min", lookup_min),
+                             ("prompt_lookup_max", lookup_max)):
+            if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {number!r}")
+        if lookup_min > lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min {lookup_min} is above prompt_lookup_max "
+                             f"{lookup_max}")
+        return cls(method, k, lookup_min, lookup_max)
