@@ -49,6 +49,11 @@ def make_dsa_checkpoint(path: str, family: str = "deepseek_v32", seed: int | Non
     config_name, model_name, fields, family_seed = DSA_FAMILIES[family]
 
     def edit(model):
+        # transformers zeroes the pad token's embedding (padding_idx), and the models here do
+        # generate it: a zero hidden state gives zero indexer weights, every score 0, and a
+        # selection that is all ties. A random row keeps every selection tie-free.
+        embedding = model.model.embed_tokens.weight
+        embedding[model.config.pad_token_id] = torch.randn(embedding.shape[1]) * model.config.initializer_range
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.rand(buffer.shape) * 0.5)

@@ -43,8 +43,9 @@ def unsupported_options(config: ModelConfig) -> list[str]:
         found.append("q_lora_rank=None (the DSA indexer reads the low-rank query)")
     dense = min(hf.first_k_dense_replace or 0, hf.num_hidden_layers)
     standard = ["dense"] * dense + ["sparse"] * (hf.num_hidden_layers - dense)
+    # The first num_hidden_layers entries: a config cut with --hf-overrides keeps its longer list.
     mlp_types = getattr(hf, "mlp_layer_types", None)
-    if mlp_types is not None and list(mlp_types) != standard:
+    if mlp_types is not None and list(mlp_types)[:hf.num_hidden_layers] != standard:
         found.append(f"mlp_layer_types={list(mlp_types)!r} (met runs first_k_dense_replace dense layers, then MoE)")
     if hf.index_head_dim < hf.qk_rope_head_dim:
         found.append(f"index_head_dim={hf.index_head_dim} (below qk_rope_head_dim={hf.qk_rope_head_dim})")

@@ -21,8 +21,11 @@ FULL, SHARED = "full", "shared"
 
 
 def indexer_types(config: ModelConfig) -> list[str]:
+    """One per layer of the trunk: a config cut with --hf-overrides num_hidden_layers keeps its
+    longer list, of which the first entries apply."""
+    n = config.hf_config.num_hidden_layers
     types = getattr(config.hf_config, "indexer_types", None)
-    return list(types) if types is not None else [FULL] * config.hf_config.num_hidden_layers
+    return list(types)[:n] if types is not None else [FULL] * n
 
 
 def unsupported_options(config: ModelConfig) -> list[str]:
@@ -33,7 +36,7 @@ def unsupported_options(config: ModelConfig) -> list[str]:
         found.append(f"indexer_types with {', '.join(map(repr, unknown))} (met runs 'full' and 'shared')")
     if types and types[0] == SHARED:
         found.append("indexer_types[0]='shared' (the first layer has no earlier selection to reuse)")
-    if len(types) != config.hf_config.num_hidden_layers:
+    if len(types) < config.hf_config.num_hidden_layers:
         found.append(f"indexer_types of {len(types)} entries for {config.hf_config.num_hidden_layers} layers")
     return found
 
