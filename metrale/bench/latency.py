@@ -78,6 +78,13 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
           f"{step_bytes / 1e9:.2f} GB weights + KV" + (f" + {2 * state * args.batch_size / 1e9:.2f} GB state"
                                                          if state else "") + " per step over the measured bandwidth)")
     print(f"  achieved / floor      {floor_tpot / tpot:9.1%}")
+    spec = engine.scheduler.stats().spec_decode
+    if spec is not None:  # counted over warm-up and measured iterations alike
+        result.update(spec_acceptance_rate=spec.acceptance_rate, spec_mean_accepted_length=spec.mean_accepted_length,
+                      spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+                      spec_num_accepted_tokens=spec.num_accepted_tokens)
+        print(f"  speculative decoding  acceptance {spec.acceptance_rate:.1%} of {spec.num_draft_tokens} draft tokens, "
+              f"mean accepted length {spec.mean_accepted_length:.2f} tokens per verify step")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

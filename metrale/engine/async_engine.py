@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from metrale.config.errors import wants_traceback
 from metrale.engine.profiling import StepProfiler
+from metrale.engine.spec_stats import SpecDecodeStats
 from metrale.messages.errors import EngineDeadError, InvalidRequestError
 from metrale.messages.outputs import RequestOutput
 from metrale.messages.sampling_params import SamplingParams
@@ -77,6 +78,7 @@ class EngineSnapshot:
     prefix_cache_hits_total: int = 0
     state_slots_total: int = 0  # running slots of a model with per-request state (0: none)
     state_slots_free: int = 0
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters, when it is on
 
 
 class EngineObserver:
@@ -456,7 +458,7 @@ class AsyncEngine:
                                        stats.num_preemptions_total, scheduler.kv.num_blocks,
                                        scheduler.kv.num_free_blocks, stats.prefix_cache_queries_total,
                                        stats.prefix_cache_hits_total, scheduler.kv.slots.num_running,
-                                       scheduler.kv.num_free_state_slots)
+                                       scheduler.kv.num_free_state_slots, stats.spec_decode)
         self.observer.on_snapshot(self.snapshot)
 
 

@@ -98,6 +98,14 @@ class LLM:
         ]
         metrics += [Metric("met:request_success_total", "counter", count, {"finished_reason": reason})
                     for reason, count in sorted(totals.finished.items())]
+        spec = stats.spec_decode
+        if spec is not None:  # speculative decoding is on
+            metrics += [Metric("met:spec_decode_num_drafts_total", "counter", spec.num_drafts),
+                        Metric("met:spec_decode_num_draft_tokens_total", "counter", spec.num_draft_tokens),
+                        Metric("met:spec_decode_num_accepted_tokens_total", "counter", spec.num_accepted_tokens)]
+            metrics += [Metric("met:spec_decode_num_accepted_tokens_per_pos_total", "counter", count,
+                               {"position": str(position)})
+                        for position, count in enumerate(spec.accepted_per_position)]
         return metrics
 
     # -- generation ----------------------------------------------------------------------------

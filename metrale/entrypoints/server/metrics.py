@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from metrale.engine.async_engine import EngineObserver, EngineSnapshot
+from metrale.engine.spec_stats import SpecDecodeStats
 from metrale.messages.outputs import RequestOutput
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -32,6 +33,36 @@ class _RequestTiming:
         self.arrival = arrival
         self.last_token_time: float | None = None
         self.num_tokens = 0
+
+
+class _SpecDecodeCounters:
+    """vLLM's spec_decode_* counters, fed from the scheduler's running totals."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        self.model_name = model_name
+        self.drafts = Counter("met:spec_decode_num_drafts", "Requests' drafts verified (one per request and step)",
+                              ["model_name"], registry=registry).labels(model_name)
+        self.draft_tokens = Counter("met:spec_decode_num_draft_tokens", "Draft tokens verified",
+                                    ["model_name"], registry=registry).labels(model_name)
+        self.accepted = Counter("met:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                ["model_name"], registry=registry).labels(model_name)
+        self.per_position = Counter("met:spec_decode_num_accepted_tokens_per_pos",
+                                    "Drafts whose token at this position was accepted",
+                                    ["model_name", "position"], registry=registry)
+        self.seen = SpecDecodeStats()
+
+    def update(self, totals: SpecDecodeStats) -> None:
+        for counter, total, seen in ((self.drafts, totals.num_drafts, self.seen.num_drafts),
+                                     (self.draft_tokens, totals.num_draft_tokens, self.seen.num_draft_tokens),
+                                     (self.accepted, totals.num_accepted_tokens, self.seen.num_accepted_tokens)):
+            if total > seen:
+                counter.inc(total - seen)
+        for position, total in enumerate(totals.accepted_per_position):
+            seen = self.seen.accepted_per_position[position] if position < len(self.seen.accepted_per_position) else 0
+            counter = self.per_position.labels(self.model_name, str(position))
+            if total > seen:
+                counter.inc(total - seen)
+        self.seen = totals.copy()
 
 
 class ServerMetrics(EngineObserver):
@@ -71,6 +102,7 @@ class ServerMetrics(EngineObserver):
         self._preemptions_seen = 0
         self._queries_seen = 0
         self._hits_seen = 0
+        self._spec: _SpecDecodeCounters | None = None  # registered with the first speculative counts
 
     # -- EngineObserver (engine thread) -----------------------------------------------------------
 
@@ -122,6 +154,10 @@ class ServerMetrics(EngineObserver):
         if snapshot.num_preemptions_total > self._preemptions_seen:
             self.preemptions.inc(snapshot.num_preemptions_total - self._preemptions_seen)
             self._preemptions_seen = snapshot.num_preemptions_total
+        if snapshot.spec_decode is not None:
+            if self._spec is None:
+                self._spec = _SpecDecodeCounters(self.registry, self.model_name)
+            self._spec.update(snapshot.spec_decode)
 
     # -- exposition ------------------------------------------------------------------------------
 

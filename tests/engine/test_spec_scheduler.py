@@ -1,0 +1,217 @@
+"""Speculative decoding on the scheduler's side, on ints alone: drafts scheduled as 1 + k tokens
+with KV room reserved, the rollback of rejected drafts, stops inside a verify step, the prefix
+cache never holding a rejected token, preemption and abort with a verify step in flight, the
+n-gram drafter and the configuration's refusals."""
+
+import pytest
+
+from metrale.config.engine_args import EngineArgs
+from metrale.config.errors import OptionError
+from metrale.config.speculative_config import SpeculativeConfig
+from metrale.engine.ngram_drafter import NgramDrafter
+from metrale.engine.request import Request, RequestStatus
+from metrale.engine.scheduler import Scheduler
+from metrale.messages.sampling_params import SamplingParams
+from metrale.messages.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+REPEAT = [5, 6, 7, 8] * 4  # its drafts are [5, 6, 7]: the tokens that followed the last "8" earlier
+
+
+def make_scheduler(k=3, **kw):
+    args = dict(num_kv_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
+                drafter=NgramDrafter(k, 1, 3))
+    args.update(kw)
+    return Scheduler(**args)
+
+
+def make_request(rid, prompt, max_tokens=16, **params):
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params), seed=0)
+
+
+def step(s: Scheduler, answer):
+    """One step; `answer(request_id, drafts) -> (num_accepted, token)` plays the verifier."""
+    plan, _ = s.schedule()
+    result = ModelRunnerOutput()
+    for rid in plan.num_scheduled_tokens:
+        request = s.requests[rid]
+        if not request.num_pending:
+            continue
+        drafts = plan.draft_token_ids.get(rid, [])
+        num_accepted, token = answer(rid, drafts)
+        result.sampled_token_ids[rid] = token
+        if drafts:
+            result.num_accepted_drafts[rid] = num_accepted
+    return plan, s.update(plan, result)
+
+
+def prefill(s, request):
+    s.add_request(request)
+    plan, updates = step(s, lambda rid, d: (0, 8))  # the prompt's next token continues the loop: 5
+    assert plan.num_scheduled_tokens == {request.request_id: request.num_prompt_tokens}
+    return updates
+
+
+def test_drafts_are_scheduled_with_their_kv_room_and_rolled_back():
+    s = make_scheduler()
+    r = make_request("a", REPEAT[:-1])  # ends in 7; the prefill samples 8
+    prefill(s, r)
+    assert r.token_ids[-1] == 8 and r.num_computed_tokens == 15
+    plan, updates = step(s, lambda rid, d: (1, 99))  # accepts 5, rejects 6 and 7, then samples 99
+    assert plan.draft_token_ids == {"a": [5, 6, 7]}
+    assert plan.num_scheduled_tokens == {"a": 4}
+    assert len(s.kv.get_block_table("a")) * 4 >= 16 + 3  # room for every draft
+    assert updates == [(r, [5, 99])]
+    assert r.token_ids[-3:] == [8, 5, 99] and r.num_pending == 0
+    # The rejected drafts' positions are not computed: the next step computes from 99 on.
+    assert r.num_computed_tokens == r.num_tokens - 1 == 17
+    assert s.spec_stats.num_drafts == 1 and s.spec_stats.num_draft_tokens == 3
+    assert s.spec_stats.num_accepted_tokens == 1 and s.spec_stats.accepted_per_position == [1, 0, 0]
+
+
+def test_all_accepted_gives_k_plus_one_tokens():
+    s = make_scheduler()
+    r = make_request("a", REPEAT[:-1])
+    prefill(s, r)
+    _, updates = step(s, lambda rid, d: (len(d), 8))
+    assert updates == [(r, [5, 6, 7, 8])]
+    assert r.num_computed_tokens == r.num_tokens - 1
+    assert s.spec_stats.mean_accepted_length == 4.0
+
+
+def test_drafts_fit_max_tokens_and_the_budget():
+    s = make_scheduler(k=8, max_num_batched_tokens=20)
+    r = make_request("a", REPEAT[:-1], max_tokens=3)
+    prefill(s, r)  # one output token; two more allowed: at most one draft and its bonus token
+    plan, updates = step(s, lambda rid, d: (len(d), 42))
+    assert plan.draft_token_ids == {"a": [5]}
+    assert updates == [(r, [5, 42])] and r.status == RequestStatus.FINISHED_LENGTH
+    s2 = make_scheduler(k=8, max_num_batched_tokens=3)
+    r2 = make_request("b", REPEAT[:-1] * 1)
+    s2.add_request(r2)
+    while r2.num_computed_tokens < r2.num_prompt_tokens:
+        step(s2, lambda rid, d: (0, 8))
+    plan, _ = step(s2, lambda rid, d: (0, 1))
+    assert plan.num_scheduled_tokens == {"b": 3} and len(plan.draft_token_ids["b"]) == 2
+
+
+def test_a_stop_inside_the_verify_step_drops_the_tokens_after_it():
+    s = make_scheduler()
+    r = Request("a", REPEAT[:-1], SamplingParams(max_tokens=16, stop_token_ids=[6]), seed=0)
+    prefill(s, r)
+    _, updates = step(s, lambda rid, d: (len(d), 8))  # drafts 5, 6, 7 accepted; 6 stops it
+    assert updates == [(r, [5, 6])]
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.output_token_ids == [8, 5, 6]
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_rejected_tokens_never_reach_the_prefix_cache():
+    s = make_scheduler(enable_prefix_caching=True)
+    r = make_request("a", REPEAT[:-1], max_tokens=6)
+    prefill(s, r)  # 16 known tokens: 4 full blocks
+    step(s, lambda rid, d: (0, 50))  # every draft rejected: position 16 holds 50, not the draft 5
+    assert r.token_ids[16] == 50
+    while s.has_unfinished:
+        step(s, lambda rid, d: (0, 50))
+    # A new request with the draft continuation must not hit block 4 ([5, 6, 7, 8] after the prompt).
+    probe = make_request("b", REPEAT[:-1] + [8, 5, 6, 7, 8, 1])
+    hit = s.kv.lookup(probe)
+    assert hit.num_tokens == 16
+    same = make_request("c", r.token_ids[:20] + [1])
+    assert s.kv.lookup(same).num_tokens == 20  # the accepted continuation is cached
+
+
+def test_no_drafts_without_a_match_or_for_logprobs():
+    s = make_scheduler()
+    s.add_request(make_request("a", [1, 2, 3, 4]))  # samples 9: no earlier 9 to follow
+    s.add_request(make_request("b", REPEAT[:-1], logprobs=2))  # would draft, but wants logprobs
+    plan, _ = step(s, lambda rid, d: (0, 9 if rid == "a" else 8))
+    assert plan.num_scheduled_tokens == {"a": 4, "b": 15}
+    plan, _ = step(s, lambda rid, d: (0, 10))
+    assert plan.draft_token_ids == {} and plan.num_scheduled_tokens == {"a": 1, "b": 1}
+
+
+def test_preemption_with_drafts_recomputes_only_accepted_tokens():
+    s = make_scheduler(num_kv_blocks=9, max_num_batched_tokens=64)
+    r = make_request("a", REPEAT[:-1], max_tokens=40)
+    prefill(s, r)
+    other = make_request("b", list(range(100, 115)), max_tokens=40)
+    s.add_request(other)
+    for _ in range(30):
+        if not s.has_unfinished:
+            break
+        step(s, lambda rid, d: (len(d) // 2, 8))
+    assert s.num_preemptions_total > 0
+    assert r.num_pending == 0 and not r.drafts_in_flight
+    while s.has_unfinished:
+        step(s, lambda rid, d: (len(d) // 2, 8))
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_abort_with_a_verify_step_in_flight():
+    s = make_scheduler()
+    r = make_request("a", REPEAT[:-1])
+    prefill(s, r)
+    plan, _ = s.schedule()
+    assert plan.draft_token_ids["a"]
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert s.update(plan, ModelRunnerOutput({"a": 1}, num_accepted_drafts={"a": 2})) == []
+    assert s.spec_stats.num_drafts == 0  # never verified for anyone
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_a_request_waits_for_its_verify_step():
+    s = make_scheduler()
+    r = make_request("a", REPEAT[:-1])
+    prefill(s, r)
+    first, _ = s.schedule()
+    second, _ = s.schedule()  # asynchronous scheduling: the verify step has not been read
+    assert "a" in first.num_scheduled_tokens and "a" not in second.num_scheduled_tokens
+
+
+def test_plan_with_drafts_crosses_the_wire():
+    plan = SchedulerOutput(num_scheduled_tokens={"a": 3}, draft_token_ids={"a": [4, 5]})
+    assert SchedulerOutput.from_wire(plan.to_wire()) == plan
+
+
+def test_models_with_state_refuse_speculation():
+    with pytest.raises(ValueError, match="per-request state"):
+        make_scheduler(num_state_slots=8)
+
+
+def test_ngram_drafter():
+    drafter = NgramDrafter(3, 2, 4)
+    assert drafter.propose([1, 2, 3, 4, 9, 1, 2, 3]) == [4, 9, 1]  # the 3-gram 1 2 3 matched
+    assert drafter.propose([1, 2, 3, 9, 7, 2, 3, 5, 2, 3]) == [5, 2, 3]  # the latest match wins
+    assert drafter.propose([1, 2, 3, 4, 5]) == []  # no repeated n-gram of at least 2
+    assert drafter.propose([1, 2, 1, 2], max_tokens=1) == [1]
+    assert NgramDrafter(3, 1, 1).propose([4, 4]) == [4]
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{not json", "JSON object"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "'mtp' is not built yet"),
+    ({"method": "dflash", "num_speculative_tokens": 2}, "'dflash' is not built yet"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' is not built yet"),
+    ({"method": "nope", "num_speculative_tokens": 2}, "must be one of"),
+    ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "above"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown key"),
+])
+def test_bad_speculative_configs_are_refused(value, message):
+    with pytest.raises(OptionError, match=message):
+        EngineArgs.from_kwargs(speculative_config=value)
+
+
+def test_speculative_config_from_the_command_line_and_num_drafts():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--speculative-config", '{"method": "ngram", "prompt_lookup_max": 4}', "--num-drafts", "5"]))
+    assert args.speculative_decoding == SpeculativeConfig("ngram", 5, 4, 4)
+    with pytest.raises(OptionError, match="does not run yet"):
+        EngineArgs.from_kwargs(speculative=True)
+    with pytest.raises(OptionError, match="no drafter is configured"):
+        EngineArgs.from_kwargs(num_drafts=3)
