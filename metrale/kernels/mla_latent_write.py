@@ -4,13 +4,19 @@ cache [num_blocks, block_size, latent + rope], contiguous. Token t's entry [kv_c
 goes to slot s = slot_mapping[t] (block s // block_size, offset s % block_size); s == -1 is
 padding, not written. An fp8 cache stores value / latent_scale saturated at e4m3's +-448, as
 the MHA KV write does. No host read: it runs inside the decode CUDA graphs.
+
+Under the Triton interpreter the float32 -> e4m3 conversion drops the mantissa's carry (7.94
+becomes 4.0, not 8.0; triton 3.9), so there the wrapper quantizes with torch and the kernel
+scatters the bytes; the in-kernel quantization runs on GPUs (tests/gpu/test_gpu_mla_backend.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from metrale.kernels import tl, triton
+from metrale.kernels import interpret_mode, tl, triton
+
+FP8 = torch.float8_e4m3fn
 
 
 @triton.jit
@@ -44,9 +50,14 @@ def write_latent_triton(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Ten
     assert kv_c.stride(-1) == 1 and k_pe.stride(-1) == 1 and cache.is_contiguous()
     if tokens == 0:
         return
+    fp8 = cache.dtype == FP8
+    if fp8 and interpret_mode():
+        kv_c, k_pe = ((x.float() * (1.0 / latent_scale)).clamp(-448.0, 448.0).to(FP8).view(torch.uint8)
+                      for x in (kv_c, k_pe))
+        cache, fp8 = cache.view(torch.uint8), False
     _write_latent_kernel[(tokens,)](
         kv_c, k_pe, cache, slot_mapping, kv_c.stride(0), k_pe.stride(0), cache.stride(0), cache.stride(1),
         cache.shape[1], 1.0 / latent_scale,
         LATENT=latent, ROPE=rope, BLOCK_L=triton.next_power_of_2(latent), BLOCK_R=triton.next_power_of_2(rope),
-        FP8=cache.dtype == torch.float8_e4m3fn,
+        FP8=fp8,
     )

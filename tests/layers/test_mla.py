@@ -1,6 +1,6 @@
 """MLA attention's reference backend: the absorbed form equals the up-projected one, paging and
 the mixed batch (prefill, extend over a cached prefix, decode) against a dense computation, and
-the layer's cache spec (kind "mla", one plane of kv_lora_rank + qk_rope_head_dim; fp8 refused).
+the layer's cache spec (kind "mla", one plane of kv_lora_rank + qk_rope_head_dim; fp8: one byte a value).
 Sparse attention (DSA's `topk_indices`): both forms agree over a selection, a selection of every
 causal position is dense attention, and a sparse one is the dense computation over only the
 listed positions."""
@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from metrale.config.cache_config import FP8, CacheConfig
-from metrale.config.errors import OptionError
 from metrale.layers.forward_context import AttentionMetadata
 from metrale.layers.mla import MLAAttention, MLADims
 from metrale.layers.mla.backend import LatentUpProjection
@@ -188,13 +187,13 @@ def _layer(layer_index=0):
     return MLAAttention(dims, layer_index, RotaryEmbedding(Config, ROPE, 64), SCALE)
 
 
-def test_cache_spec_is_one_latent_plane_and_fp8_is_refused_by_option_name():
+def test_cache_spec_is_one_latent_plane_and_fp8_takes_one_byte_a_value():
     layer = _layer(layer_index=3)
     (spec,) = layer.cache_specs(CacheConfig(block_size=16, model_dtype=torch.bfloat16))
     assert (spec.kind, spec.planes, spec.token_shape, spec.dtype) == ("mla", 1, (RANK + ROPE,), torch.bfloat16)
     assert spec.bytes_per_token == (RANK + ROPE) * 2
-    with pytest.raises(OptionError, match="--kv-cache-dtype fp8"):
-        layer.cache_specs(CacheConfig(block_size=16, model_dtype=torch.bfloat16, kv_cache_dtype="fp8"))
+    (fp8,) = layer.cache_specs(CacheConfig(block_size=16, model_dtype=torch.bfloat16, kv_cache_dtype="fp8"))
+    assert (fp8.dtype, fp8.bytes_per_token) == (FP8, RANK + ROPE)
     skipped = CacheConfig(block_size=16, model_dtype=torch.bfloat16, kv_cache_dtype="fp8",
                           kv_cache_skip_layers=frozenset({3}))
     assert layer.cache_specs(skipped)[0].dtype == torch.bfloat16 != FP8

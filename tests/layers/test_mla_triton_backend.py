@@ -1,7 +1,7 @@
 """The Triton MLA backend against the PyTorch reference under the interpreter: the latent write
 leaves the same cache; a mixed step (fresh prefill, extend over a cached prefix, decodes, a
 one-token prompt) and a pure decode step give the same heads, dense and sparse (top-k rows with
-padding, in shuffled order), over several blocks of a shuffled cache; the pure decode step's
+padding, in shuffled order), over several blocks of a shuffled cache, float32 or fp8 with a scale; the pure decode step's
 metadata holds nothing built on the host (what CUDA graphs need)."""
 
 from __future__ import annotations
@@ -49,18 +49,19 @@ def _step(seq_lens, query_lens, g, num_blocks=48):
     return layout, slots, contexts
 
 
-def _caches(layout, slots, contexts, num_blocks=48):
+def _caches(layout, slots, contexts, dtype, latent_scale, num_blocks=48):
     """The same cache filled through each backend: prefixes as earlier steps left them, then
-    this step's tokens through write_latent. Unwritten slots are NaN."""
+    this step's tokens through write_latent. Unwritten slots are NaN; the two caches are equal
+    bit for bit."""
     caches = []
     for backend in (TorchMLABackend(), TritonMLABackend()):
-        cache = torch.full((num_blocks, BLOCK_SIZE, RANK + ROPE), float("nan"))
+        cache = torch.full((num_blocks, BLOCK_SIZE, RANK + ROPE), float("nan")).to(dtype)
         for s, c, q in zip(slots, contexts, layout.query_lens_cpu):
-            backend.write_latent(c[:len(c) - q, :RANK], c[:len(c) - q, RANK:], cache, s[:len(c) - q])
+            backend.write_latent(c[:len(c) - q, :RANK], c[:len(c) - q, RANK:], cache, s[:len(c) - q], latent_scale)
         new = torch.cat([c[len(c) - q:] for c, q in zip(contexts, layout.query_lens_cpu)])
-        backend.write_latent(new[:, :RANK], new[:, RANK:], cache, layout.slot_mapping)
+        backend.write_latent(new[:, :RANK], new[:, RANK:], cache, layout.slot_mapping, latent_scale)
         caches.append(cache)
-    assert torch.equal(caches[0].nan_to_num(7.0), caches[1].nan_to_num(7.0))
+    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
     return caches
 
 
@@ -74,23 +75,24 @@ def _topk(layout, g, k=6):
     return torch.stack(rows)
 
 
-def _compare(seq_lens, query_lens, seed, sparse):
+def _compare(seq_lens, query_lens, seed, sparse, dtype=torch.float32, latent_scale=1.0):
     g = torch.Generator().manual_seed(seed)
     layout, slots, contexts = _step(seq_lens, query_lens, g)
-    torch_cache, triton_cache = _caches(layout, slots, contexts)
+    torch_cache, triton_cache = _caches(layout, slots, contexts, dtype, latent_scale)
     up = _up(g)
     tokens = sum(query_lens)
     q_nope, q_pe = torch.randn(tokens, HEADS, NOPE, generator=g), torch.randn(tokens, HEADS, ROPE, generator=g)
     topk = _topk(layout, g) if sparse else None
     reference, triton = TorchMLABackend(), TritonMLABackend()
     expected = reference.forward(q_nope, q_pe, torch_cache, up, reference.build_metadata(layout), SCALE,
-                                 topk_indices=topk)
+                                 topk_indices=topk, latent_scale=latent_scale)
     metadata = triton.build_metadata(layout)
-    got = triton.forward(q_nope, q_pe, triton_cache, up, metadata, SCALE, topk_indices=topk)
+    got = triton.forward(q_nope, q_pe, triton_cache, up, metadata, SCALE, topk_indices=topk,
+                         latent_scale=latent_scale)
     assert got.shape == (tokens, HEADS, V) and not got.isnan().any()
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     if sparse:  # the selection changed what the rows see
-        dense = triton.forward(q_nope, q_pe, triton_cache, up, metadata, SCALE)
+        dense = triton.forward(q_nope, q_pe, triton_cache, up, metadata, SCALE, latent_scale=latent_scale)
         assert not torch.allclose(dense, got, atol=1e-3)
     return metadata
 
@@ -102,6 +104,12 @@ def test_mixed_step_dense_matches_reference():
 
 def test_mixed_step_sparse_matches_reference():
     _compare([7, 14, 21, 1], [7, 5, 1, 1], seed=1, sparse=True)
+
+
+def test_fp8_latent_cache_mixed_and_pure_decode_match_reference():
+    for sparse in (False, True):
+        _compare([7, 14, 21, 1], [7, 5, 1, 1], seed=3, sparse=sparse, dtype=torch.float8_e4m3fn, latent_scale=0.5)
+        _compare([5, 30, 13], [1, 1, 1], seed=4, sparse=sparse, dtype=torch.float8_e4m3fn, latent_scale=0.5)
 
 
 def test_pure_decode_step_dense_and_sparse_match_reference_with_device_only_metadata():

@@ -6,8 +6,8 @@ the same engine, whose prefixes now hit the cache; every prompt chunked by a 16-
 budget; a KV pool so small that requests are preempted and recomputed. Plus what the latent
 cache costs in the memory plan (the tiny model's, and DeepSeek-V3's 576-wide latent), tensor
 parallelism over two CPU ranks (heads split, the latent replicated), the multi-token-prediction
-layer of a checkpoint loaded without changing the tokens (more: test_mtp_weights.py), and the refusals: an fp8 KV cache and a config option met does
-not implement. FP8 weights: tests/quantization/test_fp8_deepseek.py.
+layer of a checkpoint loaded without changing the tokens (more: test_mtp_weights.py), and the refusal of a config
+option met does not implement (the fp8 latent cache: test_mla_triton_fp8.py). FP8 weights: tests/quantization/test_fp8_deepseek.py.
 """
 
 import json
@@ -20,7 +20,6 @@ import torch
 from family_cases import assert_idle, family_fixtures, generate_twice
 from metrale import LLM, SamplingParams
 from metrale.config.engine_args import EngineArgs
-from metrale.config.errors import OptionError
 from metrale.config.model_config import ModelLoadError, load_model_config
 from metrale.models.registry import supported_architectures
 from parallel_cases import free_port
@@ -103,11 +102,6 @@ def test_multi_token_prediction_layers_leave_the_tokens_unchanged(mla_checkpoint
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()[:3]], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected("deepseek_v3")[:3]
-
-
-def test_fp8_kv_cache_is_refused_by_option_name(mla_checkpoint):
-    with pytest.raises(OptionError, match="--kv-cache-dtype fp8 does not apply to the MLA latent cache"):
-        LLM(mla_checkpoint("deepseek_v3"), device="cpu", kv_cache_dtype="fp8")
 
 
 def test_unsupported_config_options_are_refused_by_name(mla_checkpoint):

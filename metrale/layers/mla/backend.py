@@ -61,12 +61,15 @@ class MLABackend(CacheBackend):
 
     @abstractmethod
     def write_latent(self, kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> None:
+                     slot_mapping: torch.Tensor, latent_scale: float = 1.0) -> None:
         """kv_c [T, rank] (normalised), k_pe [T, rope] (roped) into cache [num_blocks, block_size,
-        rank + rope] at their slots (-1: padding, not written)."""
+        rank + rope] at their slots (-1: padding, not written). An fp8 cache stores
+        value / latent_scale, saturated at +-448."""
 
     @abstractmethod
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, up: LatentUpProjection,
-                metadata: AttentionMetadata, scale: float, topk_indices: torch.Tensor | None = None) -> torch.Tensor:
+                metadata: AttentionMetadata, scale: float, topk_indices: torch.Tensor | None = None,
+                latent_scale: float = 1.0) -> torch.Tensor:
         """q_nope [T, heads, qk_nope], q_pe [T, heads, rope] (roped) -> [T, heads, v_head_dim];
-        `topk_indices` [T, K] int32: the positions each row attends to (module docstring)."""
+        `topk_indices` [T, K] int32: the positions each row attends to (module docstring). An fp8
+        cache is read back as stored value x latent_scale."""

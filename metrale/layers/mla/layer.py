@@ -26,8 +26,9 @@ else reads a projection's weight directly.
 
 It is a CachedLayer of kind "mla": one paged spec of one plane of [kv_lora_rank +
 qk_rope_head_dim] per token in the model dtype, under the block table every paged cache shares.
-An fp8 cache is refused (--kv-cache-dtype fp8 quantizes K/V with per-layer scales; a latent
-cache has no such path yet); `--kv-cache-dtype-skip-layers` may keep MLA layers out of it.
+With --kv-cache-dtype fp8 the plane is float8_e4m3fn with one scale per layer (`latent_scale`:
+stored = value / scale, saturated at +-448; the checkpoint's `k_scale` of that model layer, else
+1.0), as MHA's K/V; `--kv-cache-dtype-skip-layers` keeps chosen layers in the model dtype.
 
 Tensor parallelism: heads split over the ranks, as evenly as possible where they do not divide
 (q_b_proj / q_proj and kv_b_proj column-parallel, their rows head-major; o_proj row-parallel,
@@ -60,7 +61,6 @@ import torch
 from torch import nn
 
 from metrale.config.cache_config import FP8, CacheConfig
-from metrale.config.errors import OptionError
 from metrale.distributed.head_split import is_uneven, per_rank, scaled, split_evenly
 from metrale.distributed.parallel_state import get_tp_group
 from metrale.kernels.fp8_math import dequantize_weight
@@ -147,21 +147,22 @@ class MLAAttention(nn.Module):
         self.up: LatentUpProjection | None = None
         # Bound by the model runner once the pool exists: [num_blocks, block_size, latent_dim].
         self.latent_cache: torch.Tensor | None = None
+        # An fp8 latent cache's scale (stored value = value / scale): the checkpoint's k_scale of
+        # this model layer (loader/kv_scales.py) or 1.0. A plain float: CUDA graphs bake it in.
+        self.latent_scale = 1.0
 
     # -- the cache ---------------------------------------------------------------------------
 
     def cache_specs(self, config: CacheConfig) -> tuple[PagedCacheSpec, ...]:
-        dtype = config.kv_dtype(self.layer_index)
-        if dtype == FP8:
-            raise OptionError(f"--kv-cache-dtype fp8 does not apply to the MLA latent cache of layer "
-                              f"{self.layer_index} yet: run MLA models with --kv-cache-dtype auto")
-        latent = PagedCacheSpec(KIND, 1, (self.dims.latent_dim,), dtype)
+        latent = PagedCacheSpec(KIND, 1, (self.dims.latent_dim,), config.kv_dtype(self.layer_index))
         if self.indexer is None:
             return (latent,)
         return (latent, *self.indexer.key_cache_specs(config))
 
     def bind_caches(self, caches: tuple[torch.Tensor, ...] | None) -> None:
         self.latent_cache = None if caches is None else caches[0][0]
+        if self.latent_cache is not None and self.latent_cache.dtype != FP8:  # a scale means something only to fp8
+            self.latent_scale = 1.0
         if self.indexer is not None:
             self.indexer.bind(None if caches is None else caches[1:])
 
@@ -205,9 +206,10 @@ class MLAAttention(nn.Module):
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
         q_pe, k_pe = self._rope(positions, q_pe, k_pe.unsqueeze(1))
-        backend.write_latent(kv_c, k_pe.squeeze(1), self.latent_cache, metadata.slot_mapping)
+        backend.write_latent(kv_c, k_pe.squeeze(1), self.latent_cache, metadata.slot_mapping, self.latent_scale)
         topk_indices = self._selection(ctx, positions, hidden, q_resid)
-        heads = backend.forward(q_nope, q_pe, self.latent_cache, self.up, metadata, self.scale, topk_indices)
+        heads = backend.forward(q_nope, q_pe, self.latent_cache, self.up, metadata, self.scale, topk_indices,
+                                latent_scale=self.latent_scale)
         return self.o_proj(heads.reshape(-1, self.num_heads * d.v_head_dim))
 
     def _selection(self, ctx, positions, hidden, q_resid) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from metrale.config.cache_config import FP8
 from metrale.layers.attention.torch_backend import gather_context
 from metrale.layers.cache_backend import register_backend
 from metrale.layers.forward_context import AttentionMetadata
@@ -20,11 +21,14 @@ from metrale.layers.mla.backend import LatentUpProjection, MLABackend
 
 
 def write_latent_reference(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
-                           slot_mapping: torch.Tensor) -> None:
+                           slot_mapping: torch.Tensor, latent_scale: float = 1.0) -> None:
     block_size = cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    cache[slots // block_size, slots % block_size] = torch.cat((kv_c[keep], k_pe[keep]), dim=-1).to(cache.dtype)
+    entries = torch.cat((kv_c[keep], k_pe[keep]), dim=-1)
+    if cache.dtype == FP8:  # x * (1 / scale) in float32, saturated: the Triton write's numbers
+        entries = (entries.float() * (1.0 / latent_scale)).clamp(-448.0, 448.0)
+    cache[slots // block_size, slots % block_size] = entries.to(cache.dtype)
 
 
 def causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
@@ -76,11 +80,11 @@ def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.
 class TorchMLABackend(MLABackend):
     name = "torch"
 
-    def write_latent(self, kv_c, k_pe, cache, slot_mapping) -> None:
-        write_latent_reference(kv_c, k_pe, cache, slot_mapping)
+    def write_latent(self, kv_c, k_pe, cache, slot_mapping, latent_scale: float = 1.0) -> None:
+        write_latent_reference(kv_c, k_pe, cache, slot_mapping, latent_scale)
 
     def forward(self, q_nope, q_pe, cache, up: LatentUpProjection, metadata: AttentionMetadata,
-                scale: float, topk_indices: torch.Tensor | None = None) -> torch.Tensor:
+                scale: float, topk_indices: torch.Tensor | None = None, latent_scale: float = 1.0) -> torch.Tensor:
         out = q_nope.new_empty(*q_nope.shape[:2], up.v_head_dim)
         start = 0
         for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
@@ -88,6 +92,8 @@ class TorchMLABackend(MLABackend):
                 continue
             rows = slice(start, start + query_len)
             entries = gather_context(cache, metadata.block_tables[i], seq_len).to(q_nope.dtype)
+            if cache.dtype == FP8:
+                entries = entries * latent_scale
             attend = absorbed_attention if query_len == 1 else up_projected_attention
             if topk_indices is None:
                 mask = causal_mask(query_len, seq_len, q_nope.device)
