@@ -13,6 +13,8 @@ an indexer, GLM-5 options met does not run).
 """
 
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -153,6 +155,32 @@ def test_fp8_indexer_cache_runs_end_to_end(dsa_checkpoint):
     assert len(caches) == 2  # layers 0 and 2; the shared layers have none
     assert all(c.keys.dtype == torch.float8_e4m3fn and c.scales.dtype == torch.float32 for c in caches)
     assert_idle(llm)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_multi_token_prediction_layer_loads_with_its_indexer(family, dsa_checkpoint, tmp_path):
+    """A next-n layer (a copy of a full layer, plus enorm, hnorm, eh_proj, shared_head) loads
+    into model.mtp, hashed, its indexer's weights included; its caches stay out of the layout."""
+    from safetensors.torch import load_file, save_file
+
+    path = str(tmp_path / "with_mtp")
+    shutil.copytree(dsa_checkpoint(family), path)
+    n = json.loads((tmp_path / "with_mtp" / "config.json").read_text())["num_hidden_layers"]
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    source = f"model.layers.{n - 2}."  # a full layer in both families
+    mtp = {name.replace(source, f"model.layers.{n}."): t.clone() for name, t in weights.items()
+           if name.startswith(source)}
+    mtp[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(64, 128)
+    mtp.update({f"model.layers.{n}.{norm}.weight": torch.ones(64) for norm in ("enorm", "hnorm", "shared_head.norm")})
+    save_file({**weights, **mtp}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "with_mtp" / "config.json").read_text())
+    (tmp_path / "with_mtp" / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
+    llm = LLM(path, dtype="float32", device="cpu")
+    model = llm.llm_engine.runner.model
+    assert len(model.mtp) == 1 and model.mtp_sha256 is not None
+    indexer = model.mtp[0].block.self_attn.indexer
+    torch.testing.assert_close(indexer.wk.weight, model.model.layers[n - 2].self_attn.indexer.wk.weight)
+    assert [entry.layer_index for entry in llm.llm_engine.runner.layout.layers] == list(range(n))
 
 
 def _plan(path, **args):
