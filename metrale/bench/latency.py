@@ -52,7 +52,9 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
     for i in range(args.num_iters):
         ttft, times = _one_batch(engine, batch(), args.output_len, f"iter{i}")
         ttfts.append(ttft)
-        tpots.append((times[-1] - times[0]) / max(1, len(times) - 1))
+        # A verify step gives several tokens: per token, not per step, when speculating.
+        num_intervals = (args.output_len if engine.scheduler.drafter is not None else len(times)) - 1
+        tpots.append((times[-1] - times[0]) / max(1, num_intervals))
     model = engine.runner.model
     step_bytes, step_params = weights_read_per_step(model, args.batch_size)
     kv, state = engine.memory_plan.kv_bytes_per_token, engine.memory_plan.state_bytes_per_slot
