@@ -21,10 +21,10 @@ Kernels:
     the tile's scores after the head sum (scale > 0, so relu(q . (s k)) = s relu(q . k)); its
     e4m3 values widen exactly to q's dtype. Tiles past the row's position are only filled with
     -inf, never read.
-  * `_topk_kernel`: program per row, a radix select on the scores' ordered bit patterns: 32
-    counting passes over the row's visible scores find the k-th largest key exactly (a binary
-    search, bit by bit from the top), then one pass writes the positions above it and, from
-    those equal to it, the first ones by position until k are written. Rows with at most k
+  * `_topk_kernel`: program per row, a radix select on the scores' ordered bit patterns: four
+    histogram passes over the row's visible scores (8 bits each, from the top) find the k-th
+    largest key exactly, then one pass writes the positions above it and, from those equal to
+    it, the first ones by position until k are written. Rows with at most k
     visible positions copy 0..p and pad with -1. The selected positions come in no particular
     order (position order within the strictly-larger and the tied groups).
 """
@@ -135,7 +135,9 @@ def _scores_kernel(
     BLOCK_N: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # grid: (rows, splits). Program (t, j) writes out[t, j * split_len : (j + 1) * split_len].
-    t = tl.program_id(0)
+    # Rows run last first: in a prefill chunk the later rows see the most keys, and starting them
+    # first keeps the short ones for the tail.
+    t = tl.num_programs(0) - 1 - tl.program_id(0)
     start = tl.program_id(1) * split_len
     end = tl.minimum(start + split_len, max_context)
     pos = tl.load(row_pos_ptr + t)
@@ -258,24 +260,30 @@ def _topk_kernel(scores_ptr, row_pos_ptr, out_ptr, stride_st, stride_ot, max_con
             i = s + tl.arange(0, BLOCK_N)
             tl.store(out_row + i, tl.where(i < n_visible, i, -1), mask=i < index_topk)
     else:
-        # Invariant: at least index_topk visible keys are >= threshold; bit b is added when that
-        # still holds, so after bit 0 threshold is exactly the index_topk-th largest key.
+        # Four 8-bit digits from the top. Invariant before each pass: `threshold` holds the
+        # index_topk-th largest key's digits above `shift + 8`, and `need` is its rank among the
+        # keys that share them. A pass histograms the next digit of those keys (the others go
+        # to bin 511, never read: 512 bins, no mask argument, which older Triton lacks) and
+        # keeps the largest digit whose bins from the top hold at least `need` keys.
+        bins = tl.arange(0, 512)
         threshold = tl.zeros([], tl.int64)
-        for b in range(32):
-            candidate = threshold | (tl.full([], 1, tl.int64) << (31 - b))
-            count = tl.zeros([], tl.int32)
+        need = index_topk + tl.zeros([], tl.int32)
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p
+            counts = tl.zeros([512], tl.int32)
             for s in range(0, n_visible, BLOCK_N):
                 n = s + tl.arange(0, BLOCK_N)
                 visible = n < n_visible
                 key = _ordered_key(tl.load(row + n, mask=visible, other=0.0))
-                count += tl.sum(((key >= candidate) & visible).to(tl.int32), axis=0)
-            threshold = tl.where(count >= index_topk, candidate, threshold)
-        num_above = tl.zeros([], tl.int32)
-        for s in range(0, n_visible, BLOCK_N):
-            n = s + tl.arange(0, BLOCK_N)
-            visible = n < n_visible
-            key = _ordered_key(tl.load(row + n, mask=visible, other=0.0))
-            num_above += tl.sum(((key > threshold) & visible).to(tl.int32), axis=0)
+                same_prefix = visible & ((key >> (shift + 8)) == (threshold >> (shift + 8)))
+                digit = tl.where(same_prefix, (key >> shift) & 255, 511).to(tl.int32)
+                counts += tl.histogram(digit, 512)
+            counts = tl.where(bins < 256, counts, 0)
+            at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts  # keys with digit >= bin
+            chosen = tl.max(tl.where((at_or_above >= need) & (bins < 256), bins, -1), axis=0)
+            need -= tl.sum(tl.where(bins > chosen, counts, 0), axis=0)  # those ranked above the digit
+            threshold = threshold | (chosen.to(tl.int64) << shift)
+        num_above = index_topk - need  # keys strictly above the threshold; `need` ties complete the row
         # The num_above larger keys fill columns 0.., ties fill num_above.. up to index_topk.
         above_written = tl.zeros([], tl.int32)
         ties_written = tl.zeros([], tl.int32)

@@ -84,6 +84,30 @@ def test_topk_exact_on_ties_and_signs(device):
     assert sorted(signed_zeros[0].tolist()) == [0, 2, 3, 4, 5, 6]  # +0.0 and -0.0 both above -1.0
 
 
+def test_topk_takes_exactly_the_largest_over_several_tiles(device):
+    """Rows wider than the select's 1,024-score tiles, with heavy duplication (a handful of
+    levels), mixed signs and rows shorter than index_topk: the chosen scores are exactly the
+    index_topk largest as a multiset, every chosen position distinct and visible."""
+    g = torch.Generator().manual_seed(4)
+    width, index_topk = 2600, 300
+    scores = torch.randn(6, width, generator=g)
+    scores[1] = torch.randint(-3, 4, (width,), generator=g).float()  # 7 levels: ties at the k-th
+    scores[2] = scores[2].abs() * 1e-30  # tiny positives: all in the exponent's low digits
+    scores[3, :] = 2.0  # one value everywhere
+    positions = [2599, 2599, 1500, 1100, 250, 299]
+    visible = torch.arange(width)[None, :] <= torch.tensor(positions)[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    got = kernel.select_topk_triton(scores.to(device), torch.tensor(positions, dtype=torch.int32, device=device),
+                                    index_topk).cpu()
+    for t, p in enumerate(positions):
+        count = min(index_topk, p + 1)
+        chosen = got[t, :count]
+        assert (got[t, count:] == -1).all() and len(set(chosen.tolist())) == count
+        assert ((chosen >= 0) & (chosen <= p)).all()
+        largest = scores[t, :p + 1].topk(count).values
+        assert torch.equal(scores[t, chosen.long()].sort().values, largest.sort().values), f"row {t}"
+
+
 def test_fp8_keys_keep_bf16_selections(device):
     """fp8 keys keep >= 98% of the bf16 keys' selections on random data (issue 15's bar), through
     the kernels at DeepSeek-V3.2's head count on one 1,024-token sequence's last rows."""
