@@ -95,15 +95,15 @@ def test_preemption_matches_transformers(family, dsa_checkpoint, expected):
     assert_idle(llm)
 
 
-def test_tensor_parallel_matches_transformers(dsa_checkpoint, expected):
-    """GLM-5 over two ranks: MLA heads split, the indexer replicated (the same selection on both)."""
-    llm, tokens = generate(dsa_checkpoint("glm_moe_dsa"), max_num_batched_tokens=16, tp_size=2,
-                           master_port=free_port())
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_parallel_matches_transformers(family, dsa_checkpoint, expected):
+    """Two ranks: MLA heads split, the indexer replicated (the same selection on both)."""
+    llm, tokens = generate(dsa_checkpoint(family), max_num_batched_tokens=16, tp_size=2, master_port=free_port())
     try:
         assert llm.llm_engine.executor.world_size == 2
     finally:
         llm.llm_engine.shutdown()
-    assert tokens == expected("glm_moe_dsa")
+    assert tokens == expected(family)
 
 
 def _first_step_selections(path, monkeypatch, **engine_args):
@@ -146,11 +146,9 @@ def test_fp8_indexer_cache_runs_end_to_end_and_keeps_98_percent_of_the_selection
 
 
 def test_fp8_indexer_cache_runs_end_to_end(dsa_checkpoint):
-    """GLM-5, chunked and preempted, with fp8 keys and float32 scales bound to its full layers."""
-    llm, tokens = generate(dsa_checkpoint("glm_moe_dsa"), indexer_cache_dtype="fp8", num_kv_blocks=70,
-                           block_size=4, max_num_batched_tokens=32)
+    """GLM-5 with fp8 keys and float32 scales bound to its full layers, the prompts batched."""
+    llm, tokens = generate(dsa_checkpoint("glm_moe_dsa"), indexer_cache_dtype="fp8")
     assert [len(t) for t in tokens] == [NEW_TOKENS] * len(make_prompts())
-    assert llm.llm_engine.scheduler.num_preemptions_total > 0
     caches = [m.indexer.cache for m in llm.llm_engine.runner.model.modules() if getattr(m, "indexer", None)]
     assert len(caches) == 2  # layers 0 and 2; the shared layers have none
     assert all(c.keys.dtype == torch.float8_e4m3fn and c.scales.dtype == torch.float32 for c in caches)
