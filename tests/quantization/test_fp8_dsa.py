@@ -20,8 +20,7 @@ from checkpoints import load_reference, reference_greedy
 from dsa_checkpoints import make_dsa_checkpoint
 from fp8_checkpoints import quantize_checkpoint
 from metrale import LLM
-from test_fp8_models import _greedy
-from test_generation_vs_hf import NEW_TOKENS, make_prompts  # the prompts test_dsa_vs_hf.py checks for ties
+from test_fp8_models import NEW_TOKENS, _greedy, make_prompts
 
 
 @pytest.fixture(scope="module")
