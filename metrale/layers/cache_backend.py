@@ -27,6 +27,7 @@ _MODULES = {
                   "triton": "metrale.layers.attention.triton_backend"},
     "gdn": {"torch": "metrale.layers.linear_attention.torch_backend",
             "triton": "metrale.layers.linear_attention.triton_backend"},
+    "kda": {"torch": "metrale.layers.linear_attention.kda_torch_backend"},  # GLM-5.3's KDA, no Triton yet
     "mla": {"torch": "metrale.layers.mla.torch_backend",
             "triton": "metrale.layers.mla.triton_backend"},
     "indexer": {"torch": "metrale.layers.mla.indexer_torch_backend",  # DSA's indexer keys (layers/mla/indexer.py)
