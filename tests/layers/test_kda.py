@@ -5,7 +5,10 @@ Two requests share the state pool: a fresh prefill of both in one step (one of t
 a 64-token chunk), a second chunk of one continuing from its saved conv and recurrent state, then
 decode steps of both together (the one-token step kernels). Every output row equals the
 transformers module's output over the whole sequence, which is causal; both decay forms (GLM-5.3's
-lower-bounded sigmoid and the softplus one). Plus the state specs and the refusals.
+lower-bounded sigmoid and the softplus one). Tensor parallel, emulated in one process: each
+rank's layer (4 heads as 2/2, and unevenly as 2/1/1) loads its slices, runs the same steps on
+its own state, and the ranks' partial outputs sum to the reference (what o_proj's all-reduce
+does). Plus the state specs and the refusals.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextLinearA
 
 from metrale.config.cache_config import CacheConfig
 from metrale.distributed.launch import shard_sizes_of
+from metrale.distributed.parallel_state import TensorParallelGroup
 from metrale.distributed.topology import resolve_topology
 from metrale.layers.forward_context import BatchLayout, ForwardContext, set_forward_context
 from metrale.layers.linear_attention.kda import STACKED_PARAMS, KDADims, KimiDeltaAttention
@@ -46,8 +50,8 @@ def _reference(config) -> Glm5NextTextLinearAttention:
     return module
 
 
-def _ours(config, reference) -> KimiDeltaAttention:
-    layer = KimiDeltaAttention(KDADims.of(config), 0)
+def _ours(config, reference, layer: KimiDeltaAttention | None = None) -> KimiDeltaAttention:
+    layer = layer or KimiDeltaAttention(KDADims.of(config), 0)
     stacked = {theirs: (ours, shard) for ours, theirs, shard in STACKED_PARAMS}
     params = dict(layer.named_parameters())
     for name, tensor in reference.state_dict().items():
@@ -84,25 +88,58 @@ def _step(layer, pieces: list[tuple[int, torch.Tensor, bool]]) -> list[torch.Ten
     return list(out.split(lens))
 
 
+def _run_requests(layer, a, b) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both requests' outputs: fresh prefills together (slots 2 and 0), a's second chunk from
+    its saved state, then three decode steps of both together."""
+    got_a, got_b = _step(layer, [(2, a[:30], False), (0, b[:70], False)])
+    (more_a,) = _step(layer, [(2, a[30:42], True)])
+    rows_a, rows_b = [got_a, more_a], [got_b]
+    for t in range(3):
+        step_a, step_b = _step(layer, [(2, a[42 + t:43 + t], True), (0, b[70 + t:71 + t], True)])
+        rows_a.append(step_a)
+        rows_b.append(step_b)
+    return torch.cat(rows_a), torch.cat(rows_b)
+
+
+def _inputs(reference):
+    torch.manual_seed(1)
+    a, b = torch.randn(45, HIDDEN), torch.randn(73, HIDDEN)  # b: more than one 64-token chunk
+    with torch.no_grad():
+        return (a, b), tuple(reference(x.unsqueeze(0))[0] for x in (a, b))
+
+
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "softplus"])
 def test_prefill_chunked_prefill_and_decode_match_transformers(lower_bound):
     config = _config(lower_bound)
     reference = _reference(config)
     layer = _ours(config, reference)
-    torch.manual_seed(1)
-    a, b = torch.randn(45, HIDDEN), torch.randn(73, HIDDEN)  # b: more than one 64-token chunk
-    with torch.no_grad():
-        expected_a, expected_b = (reference(x.unsqueeze(0))[0] for x in (a, b))
-    got_a, got_b = _step(layer, [(2, a[:30], False), (0, b[:70], False)])  # fresh prefills, slots 2 and 0
-    (more_a,) = _step(layer, [(2, a[30:42], True)])  # a's second chunk, from its saved state
-    got_a, decoded_a, decoded_b = [got_a, more_a], [], []
-    for t in range(3):  # decode steps of both together
-        step_a, step_b = _step(layer, [(2, a[42 + t:43 + t], True), (0, b[70 + t:71 + t], True)])
-        decoded_a.append(step_a)
-        decoded_b.append(step_b)
-    torch.testing.assert_close(torch.cat(got_a + decoded_a), expected_a, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(torch.cat([got_b] + decoded_b), expected_b, rtol=1e-4, atol=1e-4)
+    (a, b), (expected_a, expected_b) = _inputs(reference)
+    got_a, got_b = _run_requests(layer, a, b)
+    torch.testing.assert_close(got_a, expected_a, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_b, expected_b, rtol=1e-4, atol=1e-4)
     assert torch.isnan(layer.recurrent_state[1]).all()  # the unused slot untouched
+
+
+@pytest.mark.parametrize("tp, heads_per_rank", [(2, (2, 2)), (3, (2, 1, 1))])
+def test_tensor_parallel_ranks_sum_to_transformers(tp, heads_per_rank):
+    config = _config(-5.0)
+    reference = _reference(config)
+    (a, b), (expected_a, expected_b) = _inputs(reference)
+    sum_a, sum_b = torch.zeros_like(expected_a), torch.zeros_like(expected_b)
+    for rank in range(tp):
+        with shard_sizes_of(resolve_topology(tp, 1, rank=rank), "ep"):
+            layer = KimiDeltaAttention(KDADims.of(config), 0)
+        assert layer.num_heads == heads_per_rank[rank]
+        assert layer.recurrent_state is None and layer.cache_specs(
+            CacheConfig(block_size=16, model_dtype=torch.float32))[0].tensors[1].shape[0] == heads_per_rank[rank]
+        _ours(config, reference, layer)
+        layer.o_proj.tp = TensorParallelGroup()  # the test sums the ranks' partial outputs itself
+        got_a, got_b = _run_requests(layer, a, b)
+        sum_a, sum_b = sum_a + got_a, sum_b + got_b
+    torch.testing.assert_close(sum_a, expected_a, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sum_b, expected_b, rtol=1e-4, atol=1e-4)
+    uneven = layer.uneven_head_split()
+    assert uneven == (None if tp == 2 else "KDA heads 2/1/1 per rank")
 
 
 def test_state_specs_are_the_conv_inputs_and_one_state_per_head():
@@ -115,10 +152,6 @@ def test_state_specs_are_the_conv_inputs_and_one_state_per_head():
 
 
 def test_refusals_name_what_is_not_supported():
-    with shard_sizes_of(resolve_topology(3, 1), "ep"), torch.device("meta"):
-        with pytest.raises(ValueError, match=r"number of KDA heads \(4\) is not divisible by the tensor-parallel "
-                                             r"size \(3\)"):
-            KimiDeltaAttention(KDADims.of(_config(-5.0)), 0)
     config = _config(-5.0)
     config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="KDA's short convolution runs silu; hidden_act='gelu'"):

@@ -19,10 +19,12 @@ Submodules carry the checkpoint's names (conv1d, forget_gate.{f_a_proj, f_b_proj
 A_log}, b_proj, g_a_proj, g_b_proj, o_norm, o_proj) except q/k/v_proj, stacked into qkv_proj
 (STACKED_PARAMS, in a model's stacked_params format).
 
-Tensor parallel: heads split evenly over the ranks (q/k/v, f_b_proj, g_b_proj and b_proj
-column-parallel, each conv segment, dt_bias and A_log split by head, o_proj row-parallel;
-f_a_proj and g_a_proj, which project to one head_dim, replicated); a head count that does not
-divide is refused by name. Only tp=1 is tested.
+Tensor parallel: heads split over the ranks, as evenly as possible where they do not divide
+(distributed/head_split.py): q/k/v, f_b_proj, g_b_proj and b_proj column-parallel, each conv
+segment, dt_bias and A_log split by head, o_proj row-parallel with the matching input partition;
+f_a_proj and g_a_proj, which project to one head_dim, are replicated. A rank's state holds its
+heads only. Tested by emulating the ranks in one process (tests/layers/test_kda.py), not over
+real ranks yet.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ import torch
 from torch import nn
 
 from metrale.config.cache_config import CacheConfig
+from metrale.distributed.head_split import is_uneven, per_rank, scaled, split_evenly
 from metrale.distributed.parallel_state import get_tp_group
 from metrale.kernels.reference_kda import kda_forget_gate
 from metrale.layers.cache_spec import StateCacheSpec, StateTensorSpec
 from metrale.layers.forward_context import get_forward_context
 from metrale.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear,
-                                   RowParallelLinear, divide, load_column_segments)
+                                   RowParallelLinear, load_column_segments)
 from metrale.layers.linear_attention.kda_backend import KIND
 
 # (ours, the checkpoint's, shard): q/k/v_proj load into qkv_proj's segments.
@@ -84,26 +87,28 @@ class KimiDeltaAttention(nn.Module):
         super().__init__()
         tp = get_tp_group()
         self.dims, self.layer_index, self.tp = dims, layer_index, tp
-        self.num_heads = divide(dims.num_heads, tp.size, "number of KDA heads")
-        full = dims.num_heads * dims.head_dim
-        self.width = self.num_heads * dims.head_dim  # one of q, k, v on this rank
+        self.heads_per_rank = split_evenly(dims.num_heads, tp.size)
+        self.num_heads = self.heads_per_rank[tp.rank]
+        full, d = dims.num_heads * dims.head_dim, dims.head_dim
+        self.width = self.num_heads * d  # one of q, k, v on this rank
         self.conv_dim = 3 * self.width
-        self.qkv_proj = MergedColumnParallelLinear(dims.hidden_size, [full] * 3)
+        self._channels = scaled(self.heads_per_rank, d)  # per rank: one of q, k, v; dt_bias; o_proj's input
+        self.qkv_proj = MergedColumnParallelLinear(dims.hidden_size, [full] * 3, output_partitions=[self._channels] * 3)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, dims.conv_kernel), requires_grad=False)
         self.conv1d.weight.weight_loader = self._load_conv
         self.forget_gate = nn.Module()
         self.forget_gate.f_a_proj = ReplicatedLinear(dims.hidden_size, dims.head_dim)
-        self.forget_gate.f_b_proj = ColumnParallelLinear(dims.head_dim, full)
+        self.forget_gate.f_b_proj = ColumnParallelLinear(d, full, output_partition=self._channels)
         self.forget_gate.dt_bias = nn.Parameter(torch.zeros(self.width), requires_grad=False)
         self.forget_gate.A_log = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
         self.forget_gate.dt_bias.weight_loader = self._load_by_head
         self.forget_gate.A_log.weight_loader = self._load_by_head
-        self.b_proj = ColumnParallelLinear(dims.hidden_size, dims.num_heads)
-        self.g_a_proj = ReplicatedLinear(dims.hidden_size, dims.head_dim)
-        self.g_b_proj = ColumnParallelLinear(dims.head_dim, full)
-        self.o_norm = SigmoidGatedRMSNorm(dims.head_dim, dims.eps)
-        self.o_proj = RowParallelLinear(full, dims.hidden_size)
+        self.b_proj = ColumnParallelLinear(dims.hidden_size, dims.num_heads, output_partition=self.heads_per_rank)
+        self.g_a_proj = ReplicatedLinear(dims.hidden_size, d)
+        self.g_b_proj = ColumnParallelLinear(d, full, output_partition=self._channels)
+        self.o_norm = SigmoidGatedRMSNorm(d, dims.eps)
+        self.o_proj = RowParallelLinear(full, dims.hidden_size, input_partition=self._channels)
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, kernel - 1] (a view), bound by the runner
         self.recurrent_state: torch.Tensor | None = None  # [slots, heads, head_dim, head_dim]
 
@@ -114,11 +119,17 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError(f"KDA conv1d weight shape {tuple(loaded.shape)} does not match "
                              f"({3 * self.dims.num_heads * self.dims.head_dim}, 1, {self.dims.conv_kernel})")
         full = self.dims.num_heads * self.dims.head_dim
-        load_column_segments(param, loaded, [full] * 3, self.tp, name="KDA conv1d")
+        load_column_segments(param, loaded, [full] * 3, self.tp, name="KDA conv1d", partitions=[self._channels] * 3)
 
     def _load_by_head(self, param, loaded, shard_id=None):
         """dt_bias (head_dim per head) and A_log (one per head): this rank's heads."""
-        load_column_segments(param, loaded, [loaded.shape[0]], self.tp, name="KDA per-head parameter")
+        partition = self._channels if loaded.shape[0] == sum(self._channels) else self.heads_per_rank
+        load_column_segments(param, loaded, [loaded.shape[0]], self.tp, name="KDA per-head parameter",
+                             partitions=[partition])
+
+    def uneven_head_split(self) -> str | None:
+        """What the startup log says of this layer's split; None when it is even."""
+        return f"KDA heads {per_rank(self.heads_per_rank)} per rank" if is_uneven(self.heads_per_rank) else None
 
     # -- the cache ---------------------------------------------------------------------------
 
