@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from metrale.config.cache_config import FP8, CacheConfig
-from metrale.distributed.head_split import is_uneven, per_rank, scaled, split_evenly
+from metrale.distributed.head_split import is_uneven, per_rank, scaled, split_heads
 from metrale.distributed.parallel_state import get_tp_group
 from metrale.kernels.fp8_math import dequantize_weight
 from metrale.layers.cache_spec import PagedCacheSpec
@@ -119,7 +119,7 @@ class MLAAttention(nn.Module):
         tp = get_tp_group()
         # Heads split as evenly as possible (distributed/head_split.py); every per-head projection
         # takes the same per-rank head counts, the latent stays whole.
-        self.heads_per_rank = split_evenly(dims.num_heads, tp.size)
+        self.heads_per_rank = split_heads(dims.num_heads, tp.size, "MLA attention heads")
         self.num_heads = self.heads_per_rank[tp.rank]
         q_rows = scaled(self.heads_per_rank, dims.qk_head_dim)
         if dims.q_lora_rank is None:
