@@ -28,6 +28,14 @@ def split_evenly(count: int, parts: int) -> tuple[int, ...]:
     return tuple(base + (rank < extra) for rank in range(parts))
 
 
+def split_heads(count: int, parts: int, what: str) -> tuple[int, ...]:
+    """`split_evenly` for heads: every rank must hold at least one (ValueError naming `what`)."""
+    if count < parts:
+        raise ValueError(f"{count} {what} cannot be split over {parts} tensor-parallel ranks: every rank needs at "
+                         f"least one; use a tp size of at most {count}")
+    return split_evenly(count, parts)
+
+
 def starts_of(sizes: tuple[int, ...]) -> tuple[int, ...]:
     """Where each rank's share begins: the sum of the shares before it."""
     starts, total = [], 0

@@ -22,7 +22,7 @@ from checkpoints import load_reference, make_checkpoint, reference_greedy
 from metrale import LLM, SamplingParams
 from metrale.config.model_config import load_model_config
 from metrale.config.quantization import Fp8Config
-from metrale.distributed.head_split import attention_split, split_evenly, working_tp_sizes
+from metrale.distributed.head_split import attention_split, split_evenly, split_heads, working_tp_sizes
 from metrale.distributed.launch import shard_sizes_of
 from metrale.distributed.topology import TopologyError, resolve_topology
 from metrale.layers.deferred_weights import deferred_weights
@@ -89,6 +89,9 @@ def test_split_evenly_gives_the_first_ranks_one_more():
     assert split_evenly(5, 3) == (2, 2, 1)
     assert split_evenly(64, 3) == (22, 21, 21)
     assert split_evenly(8, 4) == (2, 2, 2, 2)
+    with pytest.raises(ValueError, match="2 MLA attention heads cannot be split over 3 tensor-parallel ranks: every "
+                                         "rank needs at least one"):
+        split_heads(2, 3, "MLA attention heads")
 
 
 def test_attention_split_keeps_query_groups_whole():

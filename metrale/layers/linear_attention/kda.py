@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from metrale.config.cache_config import CacheConfig
-from metrale.distributed.head_split import is_uneven, per_rank, scaled, split_evenly
+from metrale.distributed.head_split import is_uneven, per_rank, scaled, split_heads
 from metrale.distributed.parallel_state import get_tp_group
 from metrale.kernels.reference_kda import kda_forget_gate
 from metrale.layers.cache_spec import StateCacheSpec, StateTensorSpec
@@ -87,7 +87,7 @@ class KimiDeltaAttention(nn.Module):
         super().__init__()
         tp = get_tp_group()
         self.dims, self.layer_index, self.tp = dims, layer_index, tp
-        self.heads_per_rank = split_evenly(dims.num_heads, tp.size)
+        self.heads_per_rank = split_heads(dims.num_heads, tp.size, "KDA heads")
         self.num_heads = self.heads_per_rank[tp.rank]
         full, d = dims.num_heads * dims.head_dim, dims.head_dim
         self.width = self.num_heads * d  # one of q, k, v on this rank
