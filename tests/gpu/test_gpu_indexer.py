@@ -60,3 +60,23 @@ def test_fp8_keys_keep_bf16_selections(context):
     kept = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(*selections)) / (8 * INDEX_TOPK)
     print(f"fp8 keys keep {100 * kept:.2f}% of the bf16 selections at {context} tokens")
     assert kept >= 0.98 if context <= 4096 else kept >= 0.97, kept
+
+
+def test_selection_replays_in_a_cuda_graph():
+    """The Triton path reads nothing on the host: captured once, a replay over new queries and
+    shorter contexts (a later step's contents in the same buffers) equals an eager call."""
+    q_lens, prefixes = [1] * 6, [3000, 2500, 4095, 100, 2047, 2049]
+    batch = make_indexer_batch("cuda", FP8, q_lens, prefixes, HEADS, HEAD_DIM)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile outside the capture
+        kernel.indexer_topk_triton(**batch, index_topk=INDEX_TOPK)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernel.indexer_topk_triton(**batch, index_topk=INDEX_TOPK)
+    batch["q"].copy_(torch.randn_like(batch["q"]))
+    batch["seq_lens"].sub_(torch.tensor([7, 0, 1000, 50, 0, 3], dtype=torch.int32, device="cuda"))
+    graph.replay()
+    assert torch.equal(captured, kernel.indexer_topk_triton(**batch, index_topk=INDEX_TOPK))
+    assert (captured[3, 51:] == -1).all()  # 51 visible positions after the step shrank it
