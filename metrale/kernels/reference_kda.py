@@ -47,7 +47,9 @@ def kda_forget_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
 
 def _chunked_one(q, k, v, g, beta, state, chunk_size: int):
     """One sequence by the chunked algorithm. q, k, v, g [H, L, D] float32 (q, k normalised);
-    beta [H, L]; state [H, D, Dv]. Returns (out [H, L, Dv], final state)."""
+    beta [H, L]; state [H, D, Dv]. Returns (out [H, L, Dv], final state). The pairwise decays
+    [H, C, C, D] are built one chunk at a time: for all chunks at once they would take
+    length x chunk x head_dim floats per head (16 GiB for 64 heads of 128 over 8k tokens)."""
     heads, length, dim = k.shape
     pad = (chunk_size - length % chunk_size) % chunk_size
     q = F.pad(q, (0, 0, 0, pad)) * dim ** -0.5
@@ -58,18 +60,18 @@ def _chunked_one(q, k, v, g, beta, state, chunk_size: int):
     q, k, g, k_beta, v_beta = (t.reshape(heads, chunks, chunk_size, t.shape[-1]) for t in (q, k, g, k_beta, v_beta))
     g = g.cumsum(dim=-2)  # within each chunk: the log decay from its start, per channel
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
-    # decay[i, j, d] = exp(g_i[d] - g_j[d]) for j <= i, 0 above the diagonal: [H, N, C, C, D]
-    decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(upper[..., None], float("-inf")).exp()
-    system = (k_beta.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(dim=-1)  # strictly lower part used
-    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(system, k_beta * g.exp(), upper=False, unitriangular=True)
-    intra = (q.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(upper, 0)
-    out = torch.zeros_like(new_values)
+    out = torch.zeros_like(v_beta)
     for i in range(chunks):
-        g_i, g_last = g[:, i], g[:, i, -1:]
-        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
-        out[:, i] = (q[:, i] * g_i.exp()) @ state + intra[:, i] @ v_new
-        state = state * g_last.exp().transpose(-1, -2) + (k[:, i] * (g_last - g_i).exp()).transpose(-1, -2) @ v_new
+        q_i, k_i, g_i, kb_i, g_last = q[:, i], k[:, i], g[:, i], k_beta[:, i], g[:, i, -1:]
+        # decay[r, c, d] = exp(g_r[d] - g_c[d]) for c <= r, 0 above the diagonal: [H, C, C, D]
+        decay = (g_i.unsqueeze(-2) - g_i.unsqueeze(-3)).masked_fill(upper[..., None], float("-inf")).exp()
+        system = (kb_i.unsqueeze(-2) * k_i.unsqueeze(-3) * decay).sum(dim=-1)  # strictly lower part used
+        new_values = torch.linalg.solve_triangular(system, v_beta[:, i], upper=False, unitriangular=True)
+        k_cumdecay = torch.linalg.solve_triangular(system, kb_i * g_i.exp(), upper=False, unitriangular=True)
+        intra = (q_i.unsqueeze(-2) * k_i.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(upper, 0)
+        v_new = new_values - k_cumdecay @ state
+        out[:, i] = (q_i * g_i.exp()) @ state + intra @ v_new
+        state = state * g_last.exp().transpose(-1, -2) + (k_i * (g_last - g_i).exp()).transpose(-1, -2) @ v_new
     return out.reshape(heads, -1, out.shape[-1])[:, :length], state
 
 
