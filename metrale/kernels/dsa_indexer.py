@@ -301,18 +301,24 @@ def _topk_kernel(scores_ptr, row_pos_ptr, out_ptr, stride_st, stride_ot, max_con
             ties_written += tl.sum(tie, axis=0)
 
 
-TOPK_BLOCK_N = 1024
+# Scores per tile of the select: each of its five passes walks a row's visible scores in dependent
+# loads of this many, so a wide tile keeps a long row (16k contexts: 4 tiles a pass) from waiting
+# on many small loads one after another; 8 warps hold it in 16 values a thread. Untuned.
+TOPK_BLOCK_N = 4096
 
 
-def select_topk_triton(scores: torch.Tensor, row_pos: torch.Tensor, index_topk: int) -> torch.Tensor:
-    """float32 [T, S] scores (visible: positions 0..row_pos[t]) -> int32 [T, index_topk]."""
+def select_topk_triton(scores: torch.Tensor, row_pos: torch.Tensor, index_topk: int, *,
+                       block_n: int | None = None) -> torch.Tensor:
+    """float32 [T, S] scores (visible: positions 0..row_pos[t]) -> int32 [T, index_topk].
+    block_n: scores per tile (a power of two) instead of one sized from S (tests, benchmarks)."""
     assert scores.dim() == 2 and scores.dtype == torch.float32 and scores.stride(-1) == 1
     num_rows, max_context = scores.shape
     out = torch.empty((num_rows, index_topk), dtype=torch.int32, device=scores.device)
     if num_rows == 0 or index_topk == 0:
         return out
+    block_n = block_n or max(256, min(TOPK_BLOCK_N, triton.next_power_of_2(max_context)))
     _topk_kernel[(num_rows,)](scores, row_pos, out, scores.stride(0), out.stride(0), max_context, index_topk,
-                              BLOCK_N=TOPK_BLOCK_N, num_warps=4)
+                              BLOCK_N=block_n, num_warps=8 if block_n >= 2048 else 4)
     return out
 
 
