@@ -1,5 +1,6 @@
 """Mixed batches over a paged indexer cache, and the selection check, shared by the DSA indexer
-kernel tests (tests/kernels/test_dsa_indexer.py) and their GPU variant (tests/gpu/test_gpu_indexer.py)."""
+kernel tests (tests/kernels/test_dsa_indexer_kernels.py), their GPU variant
+(tests/gpu/test_gpu_indexer.py) and the Triton indexer backend's test."""
 
 import math
 

@@ -1,7 +1,7 @@
 """The Triton DSA indexer backend (cache kind "indexer"): the key write, scores and top-k of
 kernels/dsa_indexer.py over the paged indexer cache, tested against the PyTorch reference
 (tests/layers/test_indexer_triton_backend.py; the kernels themselves in
-tests/kernels/test_dsa_indexer.py and tests/gpu/test_gpu_indexer.py).
+tests/kernels/test_dsa_indexer_kernels.py and tests/gpu/test_gpu_indexer.py).
 
 Nothing is read on the host: each row's sequence and position come from the step's
 query_start_loc and seq_lens on the device, and the scores are as wide as the block table
