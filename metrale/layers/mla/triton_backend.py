@@ -58,12 +58,14 @@ class MixedStepPlan:
         starts = [0, *itertools.accumulate(query_lens)]
         decode = [i for i, n in enumerate(query_lens) if n == 1]
         extend = [i for i, n in enumerate(query_lens) if n > 1]
-        token_seqs = [i for i in extend for _ in range(seq_lens[i])]
-        token_positions = [p for i in extend for p in range(seq_lens[i])]
-        row_seqs = [i for i, n in enumerate(query_lens) for _ in range(n)]
+        row_seqs = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens, dtype=torch.int64))
+        context_lens = torch.tensor([seq_lens[i] for i in extend], dtype=torch.int64)
+        token_seqs = torch.repeat_interleave(torch.tensor(extend, dtype=torch.int64), context_lens)
+        starts_k = torch.repeat_interleave(torch.cumsum(context_lens, 0) - context_lens, context_lens)
+        token_positions = torch.arange(int(context_lens.sum())) - starts_k
 
         def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         return cls(
             decode_rows=tensor([starts[i] for i in decode], torch.int64),
@@ -75,7 +77,7 @@ class MixedStepPlan:
             extend_token_positions=tensor(token_positions, torch.int64),
             extend_max_query_len=max((query_lens[i] for i in extend), default=0),
             row_seqs=tensor(row_seqs, torch.int32),
-            row_kv_lens=(layout.positions[:len(row_seqs)] + 1).to(torch.int32),
+            row_kv_lens=(layout.positions[:row_seqs.shape[0]] + 1).to(torch.int32),
         )
 
 
