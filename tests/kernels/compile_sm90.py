@@ -17,6 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from metrale.kernels import causal_conv1d as CV
+from metrale.kernels import dsa_indexer as DI
 from metrale.kernels import fp8_moe_gemm as FM
 from metrale.kernels import fp8_moe_gemv as FMV
 from metrale.kernels import fp8_gemm as FG
@@ -190,6 +191,23 @@ KERNELS = {
         "kv_c_ptr": "*bf16", "k_pe_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "slot_ptr": I64,
         **{name: INT for name in ("stride_ct", "stride_pt", "stride_cb", "stride_co", "block_size")},
         "inv_scale": "fp32"}, {"LATENT": 512, "ROPE": 64, "BLOCK_L": 512, "BLOCK_R": 64, "FP8": True}, 4),
+    # DeepSeek-V3.2's DSA indexer: 64 heads of 128, fp8 key write, scores over bf16 and fp8 keys,
+    # the top-2048 radix select at its widest tile
+    "dsa_indexer._write_keys_kernel[FP8]": (DI._write_keys_kernel, {
+        "k_ptr": "*bf16", "key_cache_ptr": "*fp8e4nv", "scale_cache_ptr": F32, "slot_ptr": I64,
+        **{name: INT for name in ("stride_kt", "stride_cb", "stride_co", "stride_sb", "stride_so", "block_size")}},
+        {"HEAD_DIM": 128, "BLOCK_D": 128, "FP8": True}, 4),
+    **{f"dsa_indexer._scores_kernel[{cache}]": (DI._scores_kernel, {
+        "q_ptr": "*bf16", "w_ptr": F32, "key_cache_ptr": cache, "scale_cache_ptr": F32, "bt_ptr": I32,
+        "row_seq_ptr": I32, "row_pos_ptr": I32, "out_ptr": F32,
+        **{name: INT for name in ("stride_qt", "stride_qh", "stride_wt", "stride_cb", "stride_co", "stride_sb",
+                                  "stride_so", "stride_bt", "stride_ot", "block_size", "max_context", "split_len")}},
+        {"NUM_HEADS": 64, "HEAD_DIM": 128, "BLOCK_H": 64, "BLOCK_D": 128, "BLOCK_N": DI.SCORES_BLOCK_N, "FP8": fp8,
+         "PRECISION": None, "UPCAST": False}, 4) for cache, fp8 in (("*bf16", False), ("*fp8e4nv", True))},
+    "dsa_indexer._topk_kernel": (DI._topk_kernel, {
+        "scores_ptr": F32, "row_pos_ptr": I32, "out_ptr": I32,
+        **{name: INT for name in ("stride_st", "stride_ot", "max_context", "index_topk")}},
+        {"BLOCK_N": DI.TOPK_BLOCK_N}, 8),
     "qk_norm_rope._qk_norm_rope_kernel[STORE_KV]": (Q._qk_norm_rope_kernel, {
         "pos_ptr": I64, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
         "cos_sin_ptr": F32, "slot_ptr": I64, "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
