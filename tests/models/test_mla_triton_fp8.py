@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 
+import pytest
 import torch
 
 import metrale.layers.mla.torch_backend as torch_backend
@@ -23,7 +24,7 @@ from family_cases import family_fixtures
 from metrale import LLM, SamplingParams
 from metrale.layers.mla import MLAAttention
 from metrale.layers.mla.triton_backend import TritonMLABackend
-from mla_checkpoints import make_mla_checkpoint
+from mla_checkpoints import MLA_FAMILIES, make_mla_checkpoint
 
 FP8 = torch.float8_e4m3fn
 
@@ -57,8 +58,9 @@ def _mla_layers(llm):
             if isinstance(m, MLAAttention) and m.latent_cache is not None]
 
 
-def test_triton_backend_tokens_equal_the_torch_backends(mla_checkpoint):
-    path = mla_checkpoint("deepseek_v3")
+@pytest.mark.parametrize("family", sorted(MLA_FAMILIES))  # interleaved rope and a low-rank q; neither
+def test_triton_backend_tokens_equal_the_torch_backends(mla_checkpoint, family):
+    path = mla_checkpoint(family)
     reference = [o.token_ids for o in _generate(_engine(path))]
     llm = _engine(path, triton_mla=True, max_num_batched_tokens=16)  # the 45-token prompt in chunks
     assert [o.token_ids for o in _generate(llm)] == reference
