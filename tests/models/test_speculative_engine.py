@@ -1,0 +1,59 @@
+"""Speculative decoding with the n-gram drafter on one engine: prefix hits, seeded sampled
+requests identical alone and batched, n = 2, the metrics, tp=2 on the CPU, and hybrid models
+refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_checkpoints import make_hybrid_checkpoint
+from metrale import SamplingParams
+from speculative_cases import (assert_accepted_and_idle, checkpoint, engine, expected, greedy,  # noqa: F401
+                               make_prompts)
+
+
+@pytest.mark.parametrize("family", ["llama"])
+def test_prefix_hits(family, checkpoint, expected):
+    llm = engine(checkpoint(family), block_size=8, enable_prefix_caching=True)
+    assert greedy(llm) == expected(family)
+    hits = llm.llm_engine.scheduler.kv.prefix_hits_total
+    assert greedy(llm) == expected(family)
+    assert llm.llm_engine.scheduler.kv.prefix_hits_total > hits
+    assert_accepted_and_idle(llm)
+
+
+def test_seeded_sampling_alone_equals_batched_and_metrics(checkpoint):
+    llm = engine(checkpoint("llama"))
+    prompts = [{"prompt_token_ids": p} for p in make_prompts()]
+    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.95, repetition_penalty=1.1, seed=10 + i,
+                             max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([p], [q], use_tqdm=False)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    assert batched == alone
+    # n = 2: two children, each its own stream; each still gives its tokens alone.
+    pair = llm.generate([prompts[4]], SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)[0].outputs
+    assert len(pair) == 2 and all(len(c.token_ids) == 16 for c in pair)
+    metrics = {(m.name, m.labels.get("position")): m.value for m in llm.get_metrics()}
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert metrics[("met:spec_decode_num_drafts_total", None)] == stats.num_drafts > 0
+    assert metrics[("met:spec_decode_num_draft_tokens_total", None)] == stats.num_draft_tokens
+    assert metrics[("met:spec_decode_num_accepted_tokens_total", None)] == stats.num_accepted_tokens
+    assert metrics[("met:spec_decode_num_accepted_tokens_per_pos_total", "0")] == stats.accepted_per_position[0]
+    # Generated tokens count what requests received, never a rejected draft.
+    assert metrics[("met:generation_tokens_total", None)] == sum(map(len, batched + alone)) + 32
+
+
+def test_tensor_parallel_two_ranks(checkpoint, expected):
+    llm = engine(checkpoint("qwen3"), tp_size=2, max_num_batched_tokens=16)
+    try:
+        assert greedy(llm) == expected("qwen3")
+        assert_accepted_and_idle(llm)
+    finally:
+        llm.close()
+
+
+def test_models_with_recurrent_state_are_refused(tmp_path):
+    path = make_hybrid_checkpoint(str(tmp_path), "qwen3_next")
+    with pytest.raises(ValueError, match="per-request state"):
+        engine(path)
