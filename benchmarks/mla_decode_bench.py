@@ -8,7 +8,8 @@ Each figure is the median over replays of a CUDA graph of `--calls` back-to-back
 rotate over enough distinct sequences and weight copies (a decoder layer's own) that no call
 finds its latents or W_UK / W_UV in L2 (50 MiB on an H200). Bytes are the fewest any version must
 move: the latent cache entries read once, q read, the attended latent written (kernel), plus
-W_UK and W_UV read, q_nope read and the heads written (whole decode). The floor is bytes over
+W_UK and W_UV read, q_nope read and the heads written (whole decode); the two bmms alone are
+timed too ("bmms"), so the decode's time splits into kernel and projections. The floor is bytes over
 --hbm-tbps (4.3 TB/s, the H200's HBM3e at the rate a copy reaches), and over the measured
 device-to-device copy rate too. Before timing, each batch's kernel output is checked against a
 float32 PyTorch computation (first and last rows).
@@ -131,6 +132,20 @@ def decode_call(inp: Inputs, i: int):
     return torch.bmm(attended.transpose(0, 1), inp.w_uv[w].transpose(1, 2)).transpose(0, 1)
 
 
+def bmm_call(inp: Inputs, i: int):
+    """The whole decode's two bmms alone (the kernel's input and output stand in: q_latent's
+    shape), so the decode's time splits into kernel and projections."""
+    k, w = i % inp.sets, i % len(inp.w_uk)
+    q_latent = torch.bmm(inp.q_nope[k].transpose(0, 1), inp.w_uk[w])
+    return torch.bmm(q_latent, inp.w_uv[w].transpose(1, 2))
+
+
+def bmm_bytes(shape: Shape, batch: int, act_bytes: int = 2) -> int:
+    h = shape.heads
+    return (h * (shape.nope + shape.v) * shape.rank * act_bytes + batch * h * shape.nope * act_bytes
+            + 2 * batch * h * shape.rank * act_bytes + batch * h * shape.v * act_bytes)
+
+
 def check(inp: Inputs, shape: Shape) -> float:
     """Largest relative error of the kernel's rows 0 and B-1 against float32 PyTorch."""
     out = kernel_call(inp, 0).float()
@@ -189,12 +204,13 @@ def run_batch(args, shape: Shape, batch: int, copy_rate: float, time_graph, devi
                   f"{str(e)[:300]}", flush=True)
             continue
         print(fmt(results[-1]), flush=True)
-    try:
-        us = time_graph(lambda i: decode_call(inp, i), calls, args.replays)
-        results.append(result("decode", "default", splits, us, decode_bytes))
-        print(fmt(results[-1]), flush=True)
-    except Exception as e:  # noqa: BLE001
-        print(f"batch {batch} decode: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    for what, call, nbytes in (("decode", decode_call, decode_bytes), ("bmms", bmm_call, bmm_bytes(shape, batch))):
+        try:
+            us = time_graph(lambda i: call(inp, i), calls, args.replays)
+            results.append(result(what, "default", splits, us, nbytes))
+            print(fmt(results[-1]), flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"batch {batch} {what}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     del inp
     torch.cuda.empty_cache()
     return results

@@ -50,7 +50,7 @@ def test_sweep_of_one_batch_launches_every_config():
     kernels = [r for r in results if r.what == "kernel"]
     # the default (first in SWEEP), the others, then the default at twice the split count (1 here)
     assert len(kernels) == len(bench.SWEEP) + 1 and kernels[-1].splits == 2
-    assert [r.what for r in results].count("decode") == 1
+    assert [r.what for r in results].count("decode") == 1 and [r.what for r in results].count("bmms") == 1
     assert all(r.us == 10.0 and 0 < r.of_floor and r.bytes > 0 for r in results)
     assert all(n >= 2 for n in calls)  # two sets rotate through 10 KiB of "L2"
     assert "of floor" in bench.fmt(results[0])
