@@ -57,3 +57,24 @@ def test_models_with_recurrent_state_are_refused(tmp_path):
     path = make_hybrid_checkpoint(str(tmp_path), "qwen3_next")
     with pytest.raises(ValueError, match="per-request state"):
         engine(path)
+
+
+def test_stops_inside_a_verify_step_end_where_plain_decoding_ends(checkpoint, expected):
+    # The shortest prompt's continuation repeats a token (drafts accepted from its 6th token on);
+    # cut it by a stop token id and by a stop string from after that run: with speculation, the
+    # output ends at the same token, with the same text, as without.
+    path = checkpoint("llama")
+    prompt, tokens = make_prompts()[0], expected("llama")[0]
+    llm, plain = engine(path), engine(path, speculative=False)
+    stop_id = tokens[9]
+    assert stop_id not in tokens[:9]
+    tokenizer = llm.get_tokenizer()
+    start = len(tokenizer.decode(tokens[:8]))
+    stop_text = tokenizer.decode(tokens)[start:start + 2]
+    for params in (SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]),
+                   SamplingParams(temperature=0, max_tokens=24, stop=[stop_text])):
+        ours = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        theirs = plain.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        assert (ours.token_ids, ours.text, ours.finish_reason) == (theirs.token_ids, theirs.text, theirs.finish_reason)
+        assert len(ours.token_ids) < 24 and ours.finish_reason == "stop"
+    assert_accepted_and_idle(llm)
