@@ -124,6 +124,10 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
     _set_programmatic_launch(args, device)
     plan = plan_memory(args, config, device)
     fit_kv_blocks(plan, args.num_kv_blocks)  # refuses a model that cannot fit, before allocating
+    if plan.state_bytes_per_slot and args.speculative_decoding is not None:  # before loading the weights
+        raise ValueError(f"speculative decoding is not supported for {config.architecture} yet: its per-request "
+                         "recurrent state (Gated DeltaNet / linear attention) has no rollback of rejected drafts "
+                         "(docs/speculative.md)")
 
     torch.manual_seed(args.seed)
     model = build_model(config, device, args.load_format, args.seed, show_progress=log.enabled)

@@ -55,7 +55,7 @@ def test_tensor_parallel_two_ranks(checkpoint, expected):
 
 def test_models_with_recurrent_state_are_refused(tmp_path):
     path = make_hybrid_checkpoint(str(tmp_path), "qwen3_next")
-    with pytest.raises(ValueError, match="per-request state"):
+    with pytest.raises(ValueError, match="not supported for Qwen3NextForCausalLM yet: its per-request recurrent state"):
         engine(path)
 
 
