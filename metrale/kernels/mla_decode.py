@@ -30,12 +30,16 @@ import torch
 from metrale.kernels import interpret_mode, num_sms, pdl_args, pdl_wait, tl, triton
 from metrale.kernels.paged_attention import LOG2E, _dot
 
-# Hopper defaults, not yet timed on a GPU (benchmarks/mla_decode_bench.py --sweep tries others).
-# Compiled for sm_90 here (tests/kernels/compile_sm90.py) at DeepSeek-V3's 512 + 64: 178
-# registers, 74 KiB of shared memory, no spills; 64 heads, or 16 heads x 64 tokens x 4 warps,
-# spill. 128 heads in blocks of 32 read each latent tile four times, three of them from L2.
+# Hopper tiles from benchmarks/mla_decode_bench.py --sweep on an H200 (2026-12-02, 4k contexts,
+# 128 heads): 32 heads x 64 tokens x 8 warps beat the first guess (32 x 32) at every batch
+# (batch 1 21.0 against 25.2 us, batch 64 656 against 955, batch 256 2421 against 3878) and
+# compiles for sm_90 without spills (206 registers; tests/kernels/compile_sm90.py). 64 heads x 32
+# tokens was faster again at batch 64 and 256 (550, 2049 us) but spills at sm_90; all of them are
+# far from the floor (docs/mla.md). 128 heads in blocks of 32 read each latent tile four times,
+# three of them from L2.
 BLOCK_H = 32
-BLOCK_N = 32
+BLOCK_N = 64
+FP8_BLOCK_N = 32  # an e4m3 cache's converted tiles need the registers: 64 tokens spill at sm_90
 NUM_WARPS = 8
 NUM_STAGES = 2
 # A split's partial is heads x 512 fp32 values (256 KiB at 128 heads): at batch 1, 32 splits
@@ -196,7 +200,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
     out = torch.empty((rows, heads, latent), dtype=q_latent.dtype, device=q_latent.device)
     if rows == 0:
         return out
-    block_h, block_n, num_warps, num_stages = config or (BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES)
+    default_n = FP8_BLOCK_N if cache.dtype == torch.float8_e4m3fn else BLOCK_N
+    block_h, block_n, num_warps, num_stages = config or (BLOCK_H, default_n, NUM_WARPS, NUM_STAGES)
     block_h = max(16, min(block_h, triton.next_power_of_2(heads)))  # tl.dot needs 16 rows
     head_blocks = triton.cdiv(heads, block_h)
     if num_kv_splits is None:

@@ -172,9 +172,9 @@ KERNELS = {
                                   "stride_bt", "stride_tk", "stride_ot", "stride_oh", "num_heads", "block_size",
                                   "num_splits", "num_topk")},
         "scale_log2e": "fp32", "v_scale": "fp32"},
-        {"LATENT": 512, "ROPE": 64, "BLOCK_L": 512, "BLOCK_R": 64, "BLOCK_H": MD.BLOCK_H, "BLOCK_N": MD.BLOCK_N,
+        {"LATENT": 512, "ROPE": 64, "BLOCK_L": 512, "BLOCK_R": 64, "BLOCK_H": MD.BLOCK_H, "BLOCK_N": MD.FP8_BLOCK_N if fp8 else MD.BLOCK_N,
          "ROW_MAP": fp8, "SPARSE": fp8, "DIRECT": fp8, "PRECISION": None, "UPCAST": False, "PDL": True},
-        MD.NUM_WARPS) for cache, fp8 in (("*bf16", False), ("*fp8e4nv", True))},
+        MD.NUM_WARPS, MD.NUM_STAGES) for cache, fp8 in (("*bf16", False), ("*fp8e4nv", True))},
     "mla_decode._mla_merge_kernel": (MD._mla_merge_kernel, {
         "part_o_ptr": F32, "part_lse_ptr": F32, "out_ptr": "*bf16",
         **{name: INT for name in ("stride_ot", "stride_oh", "num_heads", "num_splits")}},
@@ -300,11 +300,13 @@ def main() -> int:
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
     target, failed = GPUTarget("cuda", 90, 32), []
-    for name, (kernel, types, constexprs, num_warps) in KERNELS.items():
+    for name, (kernel, types, constexprs, num_warps, *num_stages) in KERNELS.items():
         signature = dict(types, **{k: "constexpr" for k in constexprs})
+        # An entry may name the num_stages its launch uses (Triton's default, 3, otherwise).
+        options = {"num_warps": num_warps, **({"num_stages": num_stages[0]} if num_stages else {})}
         try:
             compiled = triton.compile(ASTSource(kernel, signature, constexprs, _launch_attrs(kernel, types)),
-                                      target=target, options={"num_warps": num_warps})
+                                      target=target, options=options)
         except Exception as e:  # noqa: BLE001 - report every kernel, then fail
             failed.append(name)
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:2000]}")
