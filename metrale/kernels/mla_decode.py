@@ -47,6 +47,11 @@ NUM_STAGES = 2
 # blocks already fill an H200's 132 SMs once.
 MAX_KV_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 128  # shorter splits spend more on the merge than they win in parallelism
+# Latent layouts of a program (a config's optional fifth element): "whole" is _mla_decode_kernel
+# (the default); "halves" and "split_v" are _mla_decode_halves_kernel, candidates for 64-head wgmma
+# tiles without spills, to be timed on an H200 (benchmarks/mla_decode_bench.py --sweep) before
+# either becomes a default. "split_v" runs two value programs per head block.
+VARIANTS = {"whole": None, "halves": 1, "split_v": 2}  # name -> V_PROGRAMS
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_tk", "num_splits", "num_topk"])
@@ -136,6 +141,114 @@ def _mla_decode_kernel(
         tl.store(part_lse_ptr + p_row, lse, mask=h_valid)
 
 
+@triton.jit(do_not_specialize=["stride_bt", "stride_tk", "num_splits", "num_topk"])
+def _mla_decode_halves_kernel(
+    q_lat_ptr, q_pe_ptr, cache_ptr, bt_ptr, seq_lens_ptr, row_seq_ptr, row_kv_len_ptr, topk_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr,
+    stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_cb, stride_co, stride_bt, stride_tk,
+    stride_ot, stride_oh,
+    num_heads, block_size, num_splits, num_topk, scale_log2e, v_scale,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ROW_MAP: tl.constexpr, SPARSE: tl.constexpr,
+    DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    V_PROGRAMS: tl.constexpr,
+):
+    # _mla_decode_kernel with the latent in two halves of HALF = BLOCK_L / 2 columns, so that a
+    # 64-head tile (wgmma's M) keeps its fp32 value accumulator in registers: QK^T is
+    # q_a . kv_a + q_b . kv_b + q_pe . pe. V_PROGRAMS 1 ("halves"): one program holds both value
+    # halves as two [BLOCK_H, HALF] accumulators (two P @ V dots). V_PROGRAMS 2 ("split_v"): the
+    # value dimension is split over two programs, program_id(0) = head block * 2 + half; each
+    # recomputes the whole QK^T (1.5x the FLOPs) and accumulates its own half only (half "a" is
+    # its value half, "b" the other). Same grid order, partials and merge as _mla_decode_kernel;
+    # with two value programs only half 0 writes the log-sum-exp (both compute the same one).
+    pdl_wait(PDL)
+    HALF: tl.constexpr = BLOCK_L // 2
+    head_block = tl.program_id(0) // V_PROGRAMS
+    v_half = tl.program_id(0) % V_PROGRAMS
+    h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(1)
+    row = tl.program_id(2)
+    h_valid = h < num_heads
+    da = v_half * HALF + tl.arange(0, HALF)  # the first value half, or this program's
+    db = (1 - v_half) * HALF + tl.arange(0, HALF)
+    da_mask = da < LATENT
+    db_mask = db < LATENT
+    dr = tl.arange(0, BLOCK_R)
+    dr_mask = dr < ROPE
+    row64 = row.to(tl.int64)
+    q_row = q_lat_ptr + row64 * stride_qlt + h[:, None] * stride_qlh
+    q_a = tl.load(q_row + da[None, :], mask=h_valid[:, None] & da_mask[None, :], other=0.0)
+    q_b = tl.load(q_row + db[None, :], mask=h_valid[:, None] & db_mask[None, :], other=0.0)
+    q_pe = tl.load(q_pe_ptr + row64 * stride_qpt + h[:, None] * stride_qph + dr[None, :],
+                   mask=h_valid[:, None] & dr_mask[None, :], other=0.0)
+    if ROW_MAP:
+        seq = tl.load(row_seq_ptr + row)
+        kv_len = tl.load(row_kv_len_ptr + row)
+    else:
+        seq = row
+        kv_len = tl.load(seq_lens_ptr + row)
+    if SPARSE:
+        n_keys = num_topk
+    else:
+        n_keys = kv_len
+    split_len = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, n_keys)
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc_a = tl.zeros([BLOCK_H, HALF], tl.float32)
+    acc_b = tl.zeros([BLOCK_H, HALF], tl.float32)  # unused with two value programs
+    for s in range(start, end, BLOCK_N):
+        j = s + tl.arange(0, BLOCK_N)
+        valid = j < end
+        if SPARSE:
+            pos = tl.load(topk_ptr + row64 * stride_tk + j, mask=valid, other=-1)
+            valid = valid & (pos >= 0) & (pos < kv_len)
+        else:
+            pos = j
+        pos = tl.where(valid, pos, 0)
+        phys = tl.load(bt_row_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
+        entry = cache_ptr + (phys * stride_cb + (pos % block_size) * stride_co)[:, None]
+        kv_a = tl.load(entry + da[None, :], mask=valid[:, None] & da_mask[None, :], other=0.0).to(q_a.dtype)
+        kv_b = tl.load(entry + db[None, :], mask=valid[:, None] & db_mask[None, :], other=0.0).to(q_a.dtype)
+        pe = tl.load(entry + LATENT + dr[None, :], mask=valid[:, None] & dr_mask[None, :],
+                     other=0.0).to(q_a.dtype)
+        qk = (_dot(q_a, tl.trans(kv_a), PRECISION, UPCAST) + _dot(q_b, tl.trans(kv_b), PRECISION, UPCAST)
+              + _dot(q_pe, tl.trans(pe), PRECISION, UPCAST))
+        qk = tl.where(valid[None, :], qk * scale_log2e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # as in _mla_decode_kernel: no NaN
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(kv_a.dtype)
+        acc_a = acc_a * alpha[:, None] + _dot(p, kv_a, PRECISION, UPCAST)
+        if V_PROGRAMS == 1:
+            acc_b = acc_b * alpha[:, None] + _dot(p, kv_b, PRECISION, UPCAST)
+        m_i = m_new
+
+    inv_l = v_scale / tl.maximum(l_i, 1e-30)  # 0 for a row that saw no key
+    p_row = (row64 * num_heads + h) * num_splits + split
+    if DIRECT:
+        out_row = out_ptr + row64 * stride_ot + h[:, None] * stride_oh
+        tl.store(out_row + da[None, :], (acc_a * inv_l[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=h_valid[:, None] & da_mask[None, :])
+        if V_PROGRAMS == 1:
+            tl.store(out_row + db[None, :], (acc_b * inv_l[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=h_valid[:, None] & db_mask[None, :])
+    else:
+        tl.store(part_o_ptr + p_row[:, None] * LATENT + da[None, :], acc_a * inv_l[:, None],
+                 mask=h_valid[:, None] & da_mask[None, :])
+        if V_PROGRAMS == 1:
+            tl.store(part_o_ptr + p_row[:, None] * LATENT + db[None, :], acc_b * inv_l[:, None],
+                     mask=h_valid[:, None] & db_mask[None, :])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        if v_half == 0:
+            tl.store(part_lse_ptr + p_row, lse, mask=h_valid)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _mla_merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads, num_splits,
@@ -185,7 +298,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
 
     `row_seq`, `row_kv_len` (int32 [R], both or neither): row r's sequence and key count; None:
     row r is sequence r with seq_lens[r] keys. `config`: (BLOCK_H, BLOCK_N, num_warps,
-    num_stages) instead of the module's defaults (the benchmark's sweep)."""
+    num_stages[, variant]) instead of the module's defaults (the benchmark's sweep); variant, a
+    key of VARIANTS, defaults to "whole"."""
     rows, heads, latent = q_latent.shape
     rope = q_pe.shape[2]
     assert q_pe.shape[:2] == (rows, heads) and q_latent.stride(-1) == 1 and q_pe.stride(-1) == 1
@@ -201,9 +315,16 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
     if rows == 0:
         return out
     default_n = FP8_BLOCK_N if cache.dtype == torch.float8_e4m3fn else BLOCK_N
-    block_h, block_n, num_warps, num_stages = config or (BLOCK_H, default_n, NUM_WARPS, NUM_STAGES)
+    block_h, block_n, num_warps, num_stages, *variant = config or (BLOCK_H, default_n, NUM_WARPS, NUM_STAGES)
+    variant = variant[0] if variant else "whole"
+    if variant not in VARIANTS:
+        raise ValueError(f"MLA decode variant {variant!r}: not one of {sorted(VARIANTS)}")
+    v_programs = VARIANTS[variant]
     block_h = max(16, min(block_h, triton.next_power_of_2(heads)))  # tl.dot needs 16 rows
-    head_blocks = triton.cdiv(heads, block_h)
+    if v_programs is not None and triton.next_power_of_2(latent) < 32:
+        raise ValueError(f"MLA decode variant {variant!r} needs a latent of at least 32 (halves of 16 "
+                         f"for tl.dot), not {latent}")
+    head_blocks = triton.cdiv(heads, block_h) * (v_programs or 1)  # programs along the grid's first axis
     if num_kv_splits is None:
         max_keys = topk_indices.shape[1] if sparse else block_tables.shape[1] * cache.shape[1]
         num_kv_splits = choose_num_kv_splits(rows, head_blocks, max_keys, q_latent.device)
@@ -217,7 +338,9 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
     dummy = block_tables  # stands in for the pointers a variant does not read
     float32 = q_latent.dtype == torch.float32
     assert rows < 65536, f"{rows} query rows in one launch: the grid's third dimension holds 65535"
-    _mla_decode_kernel[(head_blocks, num_kv_splits, rows)](
+    kernel = _mla_decode_kernel if v_programs is None else _mla_decode_halves_kernel
+    extra = {} if v_programs is None else {"V_PROGRAMS": v_programs}
+    kernel[(head_blocks, num_kv_splits, rows)](
         q_latent, q_pe, cache, block_tables, seq_lens,
         row_seq if row_seq is not None else dummy, row_kv_len if row_kv_len is not None else dummy,
         topk_indices if sparse else dummy, part_o, part_lse, out,
@@ -228,7 +351,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
         LATENT=latent, ROPE=rope, BLOCK_L=triton.next_power_of_2(latent), BLOCK_R=triton.next_power_of_2(rope),
         BLOCK_H=block_h, BLOCK_N=block_n, ROW_MAP=row_seq is not None, SPARSE=sparse, DIRECT=direct,
         PRECISION="ieee" if float32 else None, UPCAST=interpret_mode() and q_latent.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(),
+        num_warps=num_warps, num_stages=num_stages, **extra, **pdl_args(),
     )
     if not direct:
         _mla_merge_kernel[(rows, heads)](

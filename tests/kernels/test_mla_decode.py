@@ -117,3 +117,54 @@ def test_fp8_latent_cache_reads_stored_value_times_scale(device):
     ref = _reference(q_lat, q_pe, stored.float(), tables, range(2), [list(range(n)) for n in seq_lens], 0.1,
                      latent_scale)
     torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("variant", ["halves", "split_v"])
+@pytest.mark.parametrize("dtype,splits", [(torch.float32, 3), (torch.bfloat16, 1)])
+def test_latent_half_variants_match_reference(device, variant, dtype, splits):
+    """The two-halves kernel (both value halves in one program, or one per program) on dense rows
+    with a partial head block, one split (direct store) and several (the merge)."""
+    g = torch.Generator().manual_seed(11)
+    seq_lens, heads = [1, 37, 70], 20
+    cache, tables = _paged_cache(seq_lens, 16, g)
+    q_lat, q_pe = _queries(len(seq_lens), heads, g, dtype)
+    out = mla_decode_attention(q_lat.to(device), q_pe.to(device), cache.to(device, dtype), tables.to(device),
+                               torch.tensor(seq_lens, dtype=torch.int32, device=device), 0.2,
+                               num_kv_splits=splits, config=(16, 16, 4, 1, variant))
+    ref = _reference(q_lat, q_pe, cache.to(dtype), tables, range(3), [list(range(n)) for n in seq_lens], 0.2)
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_split_v_variant_on_sparse_rows_and_a_padded_graph_row(device):
+    """Value halves over two programs on row-mapped sparse rows (padding, a position past the
+    row's keys) and a row of no keys: the first half's log-sum-exp serves both halves' merge."""
+    g = torch.Generator().manual_seed(5)
+    seq_lens = [40, 9]
+    cache, tables = _paged_cache(seq_lens, 8, g)
+    row_seq, row_kv_len, k = [0, 1, 1], [33, 9, 0], 10
+    topk = torch.full((3, k), -1, dtype=torch.int32)
+    row_keys = []
+    for r, n in enumerate(row_kv_len):
+        chosen = torch.randperm(n, generator=g)[:min(n, 6)].tolist() if n else []
+        row_keys.append(sorted(chosen))
+        topk[r, :len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+        if n:
+            topk[r, -1] = n
+    q_lat, q_pe = _queries(3, 16, g, torch.float32)
+    out = mla_decode_attention(q_lat.to(device), q_pe.to(device), cache.to(device), tables.to(device),
+                               torch.tensor(seq_lens, dtype=torch.int32, device=device), 0.3,
+                               row_seq=torch.tensor(row_seq, dtype=torch.int32, device=device),
+                               row_kv_len=torch.tensor(row_kv_len, dtype=torch.int32, device=device),
+                               topk_indices=topk.to(device), num_kv_splits=2, config=(16, 4, 4, 1, "split_v"))
+    ref = _reference(q_lat, q_pe, cache, tables, row_seq, row_keys, 0.3)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_variant_is_refused_by_name(device):
+    q = torch.zeros(1, 16, LATENT, device=device)
+    with pytest.raises(ValueError, match="wide"):
+        mla_decode_attention(q, torch.zeros(1, 16, ROPE, device=device), torch.zeros(1, 16, LATENT + ROPE, device=device),
+                             torch.zeros(1, 1, dtype=torch.int32, device=device),
+                             torch.ones(1, dtype=torch.int32, device=device), 1.0, config=(16, 16, 4, 1, "wide"))
