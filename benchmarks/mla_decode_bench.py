@@ -19,8 +19,9 @@ float32 PyTorch computation (first and last rows).
     PYTHONPATH=. TRITON_INTERPRET=1 python3 benchmarks/mla_decode_bench.py --cpu-smoke
         # tiny shapes through the interpreter: the check and the byte counts, no timing
 
-`--sweep` also times the kernel at each (BLOCK_H, BLOCK_N, num_warps, num_stages) of SWEEP and at
-half and twice the chosen split count, printing one line each.
+`--sweep` also times the kernel at each (BLOCK_H, BLOCK_N, num_warps, num_stages[, variant]) of
+SWEEP (the variants: kernels/mla_decode.py's VARIANTS) and at half and twice the chosen split
+count, printing one line each. `--configs 64x32x8x2xsplit_v,...` times those instead of SWEEP.
 """
 
 from __future__ import annotations
@@ -40,11 +41,16 @@ from metrale.kernels import mla_decode as D  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 L2_BYTES = 50 * 2**20
-# Tried by --sweep after the module's default: (BLOCK_H, BLOCK_N, num_warps, num_stages). 64 heads,
-# and 16 heads x 64 tokens x 4 warps, spill registers at sm_90 (tests/kernels/compile_sm90.py):
-# there for the record.
+# Tried by --sweep after the module's default: (BLOCK_H, BLOCK_N, num_warps, num_stages[, variant]).
+# 64 heads of the whole latent, and 16 heads x 64 tokens x 4 warps, spill registers at sm_90
+# (tests/kernels/compile_sm90.py): there for the record. The variants (kernels/mla_decode.py's
+# VARIANTS) are the 64-row wgmma candidates: split_v 64 x 32 x 8 compiles to wgmma without spills
+# through the merge and direct, 128 x 32 x 8 through the merge (direct spills one register);
+# split_v 64 x 64 x 8 spills direct, "halves" spills (STACK 48 direct, 192 with the merge).
 SWEEP = [(32, 32, 8, 2), (32, 32, 8, 3), (32, 32, 8, 1), (32, 64, 8, 2), (32, 16, 4, 2), (32, 32, 4, 2),
-         (16, 32, 4, 2), (16, 64, 8, 2), (16, 32, 4, 3), (64, 32, 8, 2), (64, 16, 8, 2)]
+         (16, 32, 4, 2), (16, 64, 8, 2), (16, 32, 4, 3), (64, 32, 8, 2), (64, 16, 8, 2),
+         (64, 32, 8, 2, "split_v"), (64, 32, 8, 3, "split_v"), (64, 16, 8, 2, "split_v"), (64, 64, 8, 2, "split_v"),
+         (128, 32, 8, 2, "split_v"), (128, 32, 8, 3, "split_v"), (64, 32, 8, 2, "halves")]
 
 
 @dataclass(frozen=True)
@@ -146,9 +152,9 @@ def bmm_bytes(shape: Shape, batch: int, act_bytes: int = 2) -> int:
             + 2 * batch * h * shape.rank * act_bytes + batch * h * shape.v * act_bytes)
 
 
-def check(inp: Inputs, shape: Shape) -> float:
+def check(inp: Inputs, shape: Shape, config=None) -> float:
     """Largest relative error of the kernel's rows 0 and B-1 against float32 PyTorch."""
-    out = kernel_call(inp, 0).float()
+    out = kernel_call(inp, 0, config).float()
     worst = 0.0
     for row in sorted({0, out.shape[0] - 1}):
         n = int(inp.seq_lens[row])
@@ -163,9 +169,11 @@ def check(inp: Inputs, shape: Shape) -> float:
     return worst
 
 
-def chosen_splits(inp: Inputs, shape: Shape) -> int:
-    block_h = max(16, min(D.BLOCK_H, 1 << (shape.heads - 1).bit_length()))
-    return D.choose_num_kv_splits(inp.seq_lens.shape[0], -(-shape.heads // block_h),
+def chosen_splits(inp: Inputs, shape: Shape, config=None) -> int:
+    """The split count mla_decode_attention picks for `config` (None: the module's default)."""
+    block_h = max(16, min(config[0] if config else D.BLOCK_H, 1 << (shape.heads - 1).bit_length()))
+    v_programs = D.VARIANTS[config[4]] if config and len(config) > 4 else None
+    return D.choose_num_kv_splits(inp.seq_lens.shape[0], -(-shape.heads // block_h) * (v_programs or 1),
                                   inp.tables.shape[2] * shape.block_size, inp.cache.device)
 
 
@@ -191,14 +199,21 @@ def run_batch(args, shape: Shape, batch: int, copy_rate: float, time_graph, devi
     default = (D.BLOCK_H, D.BLOCK_N, D.NUM_WARPS, D.NUM_STAGES)
     trials = [(default, None)]
     if args.sweep:
-        trials += [(c, None) for c in SWEEP if c != default]
+        sweep = parse_configs(args.configs) if getattr(args, "configs", None) else SWEEP
+        trials += [(c, None) for c in sweep if c != default]
         trials += [(default, s) for s in sorted({max(1, splits // 2), min(D.MAX_KV_SPLITS, splits * 2)} - {splits})]
     results = []
     for config, n_splits in trials:
         name = "default" if (config, n_splits) == (default, None) else "x".join(map(str, config))
         try:
+            if n_splits is None and config != default and len(config) > 4:
+                # a variant's compiled code is checked here first: the interpreter's tests run
+                # its Python semantics only
+                err = check(inp, shape, config)
+                if err > 2e-2:
+                    print(f"batch {batch} kernel {name}: ERROR, wrong output (rel. error {err:.2e})", flush=True)
             us = time_graph(lambda i: kernel_call(inp, i, config, n_splits), calls, args.replays)
-            results.append(result("kernel", name, n_splits or splits, us, kernel_bytes))
+            results.append(result("kernel", name, n_splits or chosen_splits(inp, shape, config), us, kernel_bytes))
         except Exception as e:  # noqa: BLE001 - a config that cannot build is reported, the others still run
             print(f"batch {batch} kernel {name} splits {n_splits or splits}: FAILED {type(e).__name__}: "
                   f"{str(e)[:300]}", flush=True)
@@ -216,8 +231,20 @@ def run_batch(args, shape: Shape, batch: int, copy_rate: float, time_graph, devi
     return results
 
 
+def parse_configs(text: str) -> list[tuple]:
+    """'64x32x8x2xsplit_v,32x64x8x2' -> [(64, 32, 8, 2, 'split_v'), (32, 64, 8, 2)]."""
+    configs = []
+    for item in text.split(","):
+        parts = item.strip().split("x")
+        if len(parts) not in (4, 5) or not all(p.isdigit() for p in parts[:4]) or (
+                len(parts) == 5 and parts[4] not in D.VARIANTS):
+            raise ValueError(f"config {item!r}: want BLOCK_HxBLOCK_NxWARPSxSTAGES[x{'|'.join(D.VARIANTS)}]")
+        configs.append(tuple(int(p) for p in parts[:4]) + tuple(parts[4:]))
+    return configs
+
+
 def fmt(r: Result) -> str:
-    return (f"B={r.batch:<4} {r.what:<6} {r.config:<12} splits {r.splits:<3} {r.us:9.2f} us  "
+    return (f"B={r.batch:<4} {r.what:<6} {r.config:<20} splits {r.splits:<3} {r.us:9.2f} us  "
             f"{r.bytes / 1e6:9.2f} MB  floor {r.floor_us:8.2f} us  {100 * r.of_floor:5.1f}% of floor  "
             f"{100 * r.of_copy:5.1f}% of copy")
 
@@ -232,7 +259,7 @@ def cpu_smoke() -> int:
     shape = Shape(heads=16, rank=32, rope=16, nope=16, v=16, block_size=4)
     for batch in (1, 3):
         inp = Inputs(shape, batch, 37, 2, torch.float32, torch.device("cpu"), weight_sets=2)
-        err = check(inp, shape)
+        err = max([check(inp, shape)] + [check(inp, shape, (16, 16, 4, 1, v)) for v in D.VARIANTS])
         out = decode_call(inp, 1)
         assert out.shape == (batch, shape.heads, shape.v) and torch.isfinite(out).all()
         print(f"cpu smoke batch {batch}: rel. error {err:.1e}, bytes {floor_bytes(shape, batch, 37, 4)}, "
@@ -248,6 +275,7 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--configs", help="with --sweep: these configs instead of SWEEP, e.g. 64x32x8x2xsplit_v")
     parser.add_argument("--calls", type=int, default=8, help="calls per graph (at least the rotation's sets)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--hbm-tbps", type=float, default=4.3)

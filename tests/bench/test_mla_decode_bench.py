@@ -54,3 +54,15 @@ def test_sweep_of_one_batch_launches_every_config():
     assert all(r.us == 10.0 and 0 < r.of_floor and r.bytes > 0 for r in results)
     assert all(n >= 2 for n in calls)  # two sets rotate through 10 KiB of "L2"
     assert "of floor" in bench.fmt(results[0])
+
+
+def test_configs_option_parses_variants_and_refuses_unknown_ones():
+    assert bench.parse_configs("64x32x8x2xsplit_v, 32x64x8x2") == [(64, 32, 8, 2, "split_v"), (32, 64, 8, 2)]
+    assert any(len(c) == 5 for c in bench.SWEEP)  # the sweep times the 64-row variants too
+    for bad in ("64x32x8", "64x32x8x2xwide", "64xAx8x2"):
+        try:
+            bench.parse_configs(bad)
+        except ValueError as e:
+            assert bad in str(e)
+        else:
+            raise AssertionError(f"{bad} was accepted")

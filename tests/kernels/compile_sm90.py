@@ -175,6 +175,22 @@ KERNELS = {
         {"LATENT": 512, "ROPE": 64, "BLOCK_L": 512, "BLOCK_R": 64, "BLOCK_H": MD.BLOCK_H, "BLOCK_N": MD.FP8_BLOCK_N if fp8 else MD.BLOCK_N,
          "ROW_MAP": fp8, "SPARSE": fp8, "DIRECT": fp8, "PRECISION": None, "UPCAST": False, "PDL": True},
         MD.NUM_WARPS, MD.NUM_STAGES) for cache, fp8 in (("*bf16", False), ("*fp8e4nv", True))},
+    # the latent-halves candidates for 64-row wgmma tiles (benchmarks/mla_decode_bench.py's SWEEP):
+    # value halves over two programs at 64 heads, through the merge and direct (one split: batch
+    # 256), and at 128 heads through the merge. Spilling, so not here: "halves" (both value halves
+    # in one program), split_v 64 x 64 direct and 128 x 32 direct (one register: STL / LDL)
+    **{f"mla_decode._mla_decode_halves_kernel[split_v {bh}x{bn}x{nw}{' direct' * direct}]": (MD._mla_decode_halves_kernel, {
+        "q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16", "cache_ptr": "*bf16", "bt_ptr": I32, "seq_lens_ptr": I32,
+        "row_seq_ptr": I32, "row_kv_len_ptr": I32, "topk_ptr": I32, "part_o_ptr": F32, "part_lse_ptr": F32,
+        "out_ptr": "*bf16",
+        **{name: INT for name in ("stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_cb", "stride_co",
+                                  "stride_bt", "stride_tk", "stride_ot", "stride_oh", "num_heads", "block_size",
+                                  "num_splits", "num_topk")},
+        "scale_log2e": "fp32", "v_scale": "fp32"},
+        {"LATENT": 512, "ROPE": 64, "BLOCK_L": 512, "BLOCK_R": 64, "BLOCK_H": bh, "BLOCK_N": bn,
+         "ROW_MAP": False, "SPARSE": False, "DIRECT": direct, "PRECISION": None, "UPCAST": False, "PDL": True,
+         "V_PROGRAMS": MD.VARIANTS["split_v"]},
+        nw, 2) for bh, bn, nw, direct in ((64, 32, 8, False), (64, 32, 8, True), (128, 32, 8, False))},
     "mla_decode._mla_merge_kernel": (MD._mla_merge_kernel, {
         "part_o_ptr": F32, "part_lse_ptr": F32, "out_ptr": "*bf16",
         **{name: INT for name in ("stride_ot", "stride_oh", "num_heads", "num_splits")}},
@@ -311,7 +327,8 @@ def main() -> int:
             failed.append(name)
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:2000]}")
             continue
-        print(f"{name}: {resource_usage(compiled.asm['cubin'], name)}")
+        wgmma = compiled.asm["ptx"].count("wgmma.mma_async")  # Hopper's tensor-core instruction
+        print(f"{name}: {resource_usage(compiled.asm['cubin'], name)} WGMMA:{wgmma}")
     return 1 if failed else 0
 
 

@@ -26,3 +26,6 @@ def test_kernels_compile_for_sm90_without_spills():
         # frame (triton 3.9's ptxas gives the sampler's filter variant 8 bytes; 3.6's gave none).
         stack = int(re.search(r"STACK:(\d+)", line).group(1))
         assert re.search(r"LOCAL:0\b", line) and stack <= 8, line
+    # the MLA decode's 64-row candidates exist to run on wgmma (mma.sync otherwise)
+    candidates = [line for line in lines if "_mla_decode_halves_kernel" in line]
+    assert candidates and all(int(re.search(r"WGMMA:(\d+)", line).group(1)) > 0 for line in candidates), candidates
