@@ -21,6 +21,10 @@ both key and value. Partial outputs of the splits are merged by log-sum-exp; wit
 program writes the output directly. The split count depends only on the row count, the head
 count and the block table's width (or K), never on device values, so decode replays in CUDA
 graphs. Softmax is online in fp32 with exp2; P is cast to the query dtype for P @ V.
+
+`_mla_decode_halves_kernel` is the same computation over the latent in two halves (VARIANTS,
+picked by a config; not the default): candidates for Hopper's 64-row wgmma tiles, whose 512-wide
+fp32 accumulator spills registers in _mla_decode_kernel (docs/mla.md).
 """
 
 from __future__ import annotations
