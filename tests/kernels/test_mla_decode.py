@@ -104,7 +104,8 @@ def test_row_map_and_sparse_rows_with_padding_and_a_padded_graph_row(device):
         assert not dense.isnan().any() and not sparse.isnan().any()
 
 
-def test_fp8_latent_cache_reads_stored_value_times_scale(device):
+@pytest.mark.parametrize("variant", ["whole", "split_v"])
+def test_fp8_latent_cache_reads_stored_value_times_scale(device, variant):
     g = torch.Generator().manual_seed(3)
     seq_lens = [33, 5]
     cache, tables = _paged_cache(seq_lens, 16, g)
@@ -113,7 +114,7 @@ def test_fp8_latent_cache_reads_stored_value_times_scale(device):
     q_lat, q_pe = _queries(2, 16, g, torch.bfloat16)
     out = mla_decode_attention(q_lat.to(device), q_pe.to(device), stored.to(device), tables.to(device),
                                torch.tensor(seq_lens, dtype=torch.int32, device=device), 0.1,
-                               latent_scale=latent_scale, num_kv_splits=2, config=(16, 16, 4, 1))
+                               latent_scale=latent_scale, num_kv_splits=2, config=(16, 16, 4, 1, variant))
     ref = _reference(q_lat, q_pe, stored.float(), tables, range(2), [list(range(n)) for n in seq_lens], 0.1,
                      latent_scale)
     torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2, atol=2e-2)
