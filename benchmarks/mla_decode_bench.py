@@ -189,14 +189,14 @@ def run_batch(args, shape: Shape, batch: int, copy_rate: float, time_graph, devi
     if err > 2e-2:
         print(f"batch {batch}: ERROR, the kernel's output is wrong (rel. error {err:.2e} > 2e-2)", flush=True)
     kernel_bytes, decode_bytes = floor_bytes(shape, batch, args.context, kv_bytes)
-    splits = chosen_splits(inp, shape)
+    default = D.default_config(batch, shape.heads, inp.cache.dtype, mapped_or_sparse=False)
+    splits = chosen_splits(inp, shape, default)
     calls = max(sets, weight_sets, args.calls)
 
     def result(what, config, n_splits, us, nbytes):
         floor_us = nbytes / (args.hbm_tbps * 1e12) * 1e6
         return Result(batch, what, config, n_splits, us, nbytes, floor_us, floor_us / us, nbytes / (us * 1e-6) / copy_rate)
 
-    default = (D.BLOCK_H, D.BLOCK_N, D.NUM_WARPS, D.NUM_STAGES)
     trials = [(default, None)]
     if args.sweep:
         sweep = parse_configs(args.configs) if getattr(args, "configs", None) else SWEEP

@@ -56,6 +56,13 @@ MIN_KEYS_PER_SPLIT = 128  # shorter splits spend more on the merge than they win
 # tiles without spills, to be timed on an H200 (benchmarks/mla_decode_bench.py --sweep) before
 # either becomes a default. "split_v" runs two value programs per head block.
 VARIANTS = {"whole": None, "halves": 1, "split_v": 2}  # name -> V_PROGRAMS
+# Dense decode of 16+ rows over 128+ heads in bf16: split_v with 128-head programs (each warpgroup
+# 64 heads: QK^T at n32, P@V at n256 on wgmma), timed on an H200 at 128 heads and 4k contexts:
+# batch 64 398 against 661 us for the default, batch 256 1,483 against 2,420; at batch 1 the
+# default is faster (21.3 against 23.7 us). Only that case was timed and checked on the GPU
+# (no row map, no selection, a bf16 cache), so only it takes this config.
+LARGE_BATCH_CONFIG = (128, 32, 8, 2, "split_v")
+LARGE_BATCH_MIN_ROWS = 16
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_tk", "num_splits", "num_topk"])
@@ -293,6 +300,16 @@ def choose_num_kv_splits(num_rows: int, num_head_blocks: int, max_keys: int, dev
     return max(1, min(want, triton.cdiv(max_keys, MIN_KEYS_PER_SPLIT), MAX_KV_SPLITS))
 
 
+def default_config(rows: int, heads: int, cache_dtype: torch.dtype, mapped_or_sparse: bool) -> tuple:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages[, variant]) for a launch: the measured large-batch
+    config where it was measured (see LARGE_BATCH_CONFIG), else the module's defaults."""
+    if cache_dtype == torch.float8_e4m3fn:
+        return BLOCK_H, FP8_BLOCK_N, NUM_WARPS, NUM_STAGES
+    if rows >= LARGE_BATCH_MIN_ROWS and heads >= LARGE_BATCH_CONFIG[0] and not mapped_or_sparse:
+        return LARGE_BATCH_CONFIG
+    return BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES
+
+
 def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                          row_seq: torch.Tensor | None = None, row_kv_len: torch.Tensor | None = None,
@@ -318,8 +335,9 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torc
     out = torch.empty((rows, heads, latent), dtype=q_latent.dtype, device=q_latent.device)
     if rows == 0:
         return out
-    default_n = FP8_BLOCK_N if cache.dtype == torch.float8_e4m3fn else BLOCK_N
-    block_h, block_n, num_warps, num_stages, *variant = config or (BLOCK_H, default_n, NUM_WARPS, NUM_STAGES)
+    if config is None:
+        config = default_config(rows, heads, cache.dtype, mapped_or_sparse=row_seq is not None or sparse)
+    block_h, block_n, num_warps, num_stages, *variant = config
     variant = variant[0] if variant else "whole"
     if variant not in VARIANTS:
         raise ValueError(f"MLA decode variant {variant!r}: not one of {sorted(VARIANTS)}")

@@ -169,3 +169,27 @@ def test_unknown_variant_is_refused_by_name(device):
         mla_decode_attention(q, torch.zeros(1, 16, ROPE, device=device), torch.zeros(1, 16, LATENT + ROPE, device=device),
                              torch.zeros(1, 1, dtype=torch.int32, device=device),
                              torch.ones(1, dtype=torch.int32, device=device), 1.0, config=(16, 16, 4, 1, "wide"))
+
+
+def test_default_config_takes_the_measured_large_batch_variant_only_where_it_was_measured():
+    from metrale.kernels import mla_decode as D
+
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    assert D.default_config(64, 128, bf16, mapped_or_sparse=False) == D.LARGE_BATCH_CONFIG
+    assert D.default_config(1, 128, bf16, mapped_or_sparse=False)[:2] == (D.BLOCK_H, D.BLOCK_N)
+    assert D.default_config(64, 64, bf16, mapped_or_sparse=False)[:2] == (D.BLOCK_H, D.BLOCK_N)  # tp=2 ranks
+    assert D.default_config(64, 128, bf16, mapped_or_sparse=True)[:2] == (D.BLOCK_H, D.BLOCK_N)
+    assert D.default_config(64, 128, fp8, mapped_or_sparse=False)[:2] == (D.BLOCK_H, D.FP8_BLOCK_N)
+
+
+def test_large_batch_default_matches_reference(device):
+    """16 rows over 128 heads take LARGE_BATCH_CONFIG (split_v, 128-head programs) by default."""
+    g = torch.Generator().manual_seed(7)
+    seq_lens = [5 + 3 * i for i in range(16)]
+    cache, tables = _paged_cache(seq_lens, 8, g)
+    q_lat, q_pe = _queries(16, 128, g, torch.float32)
+    out = mla_decode_attention(q_lat.to(device), q_pe.to(device), cache.to(device), tables.to(device),
+                               torch.tensor(seq_lens, dtype=torch.int32, device=device), 0.3)
+    keys = [list(range(n)) for n in seq_lens]
+    ref = _reference(q_lat, q_pe, cache, tables, list(range(16)), keys, 0.3)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-4, atol=1e-4)
