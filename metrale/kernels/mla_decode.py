@@ -23,8 +23,9 @@ count and the block table's width (or K), never on device values, so decode repl
 graphs. Softmax is online in fp32 with exp2; P is cast to the query dtype for P @ V.
 
 `_mla_decode_halves_kernel` is the same computation over the latent in two halves (VARIANTS,
-picked by a config; not the default): candidates for Hopper's 64-row wgmma tiles, whose 512-wide
-fp32 accumulator spills registers in _mla_decode_kernel (docs/mla.md).
+picked by a config): Hopper's 64-row wgmma tiles without the spills a 512-wide fp32 accumulator
+causes in _mla_decode_kernel; its split_v form is the large-batch default (LARGE_BATCH_CONFIG,
+docs/mla.md).
 """
 
 from __future__ import annotations
@@ -51,10 +52,9 @@ NUM_STAGES = 2
 # blocks already fill an H200's 132 SMs once.
 MAX_KV_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 128  # shorter splits spend more on the merge than they win in parallelism
-# Latent layouts of a program (a config's optional fifth element): "whole" is _mla_decode_kernel
-# (the default); "halves" and "split_v" are _mla_decode_halves_kernel, candidates for 64-head wgmma
-# tiles without spills, to be timed on an H200 (benchmarks/mla_decode_bench.py --sweep) before
-# either becomes a default. "split_v" runs two value programs per head block.
+# Latent layouts of a program (a config's optional fifth element): "whole" is _mla_decode_kernel;
+# "halves" and "split_v" are _mla_decode_halves_kernel ("split_v" runs two value programs per
+# head block, each recomputing QK^T).
 VARIANTS = {"whole": None, "halves": 1, "split_v": 2}  # name -> V_PROGRAMS
 # Dense decode of 16+ rows over 128+ heads in bf16: split_v with 128-head programs (each warpgroup
 # 64 heads: QK^T at n32, P@V at n256 on wgmma), timed on an H200 at 128 heads and 4k contexts:
