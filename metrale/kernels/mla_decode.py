@@ -65,6 +65,44 @@ LARGE_BATCH_CONFIG = (128, 32, 8, 2, "split_v")
 LARGE_BATCH_MIN_ROWS = 16
 
 
+@triton.jit
+def _split_keys(row, split, seq_lens_ptr, row_seq_ptr, row_kv_len_ptr, bt_ptr, stride_bt, num_splits, num_topk,
+                BLOCK_N: tl.constexpr, ROW_MAP: tl.constexpr, SPARSE: tl.constexpr):
+    # Row `row`'s key count, this split's [start, end) of its keys (positions, or entries of its
+    # selection when SPARSE), and its block-table row.
+    if ROW_MAP:
+        seq = tl.load(row_seq_ptr + row)
+        kv_len = tl.load(row_kv_len_ptr + row)
+    else:
+        seq = row
+        kv_len = tl.load(seq_lens_ptr + row)
+    if SPARSE:
+        n_keys = num_topk
+    else:
+        n_keys = kv_len
+    split_len = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, n_keys)
+    return kv_len, start, end, bt_ptr + seq.to(tl.int64) * stride_bt
+
+
+@triton.jit
+def _tile_entries(s, end, kv_len, row64, topk_ptr, stride_tk, bt_row_ptr, block_size, stride_cb, stride_co,
+                  BLOCK_N: tl.constexpr, SPARSE: tl.constexpr):
+    # The BLOCK_N keys from `s`: which are real (inside the split; a selection's -1 padding and
+    # positions past the row's keys are not) and their cache entries' offsets (0 where not real).
+    j = s + tl.arange(0, BLOCK_N)
+    valid = j < end
+    if SPARSE:
+        pos = tl.load(topk_ptr + row64 * stride_tk + j, mask=valid, other=-1)
+        valid = valid & (pos >= 0) & (pos < kv_len)
+    else:
+        pos = j
+    pos = tl.where(valid, pos, 0)
+    phys = tl.load(bt_row_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
+    return valid, phys * stride_cb + (pos % block_size) * stride_co
+
+
 @triton.jit(do_not_specialize=["stride_bt", "stride_tk", "num_splits", "num_topk"])
 def _mla_decode_kernel(
     q_lat_ptr, q_pe_ptr, cache_ptr, bt_ptr, seq_lens_ptr, row_seq_ptr, row_kv_len_ptr, topk_ptr,
@@ -95,35 +133,15 @@ def _mla_decode_kernel(
                     mask=h_valid[:, None] & dl_mask[None, :], other=0.0)
     q_pe = tl.load(q_pe_ptr + row64 * stride_qpt + h[:, None] * stride_qph + dr[None, :],
                    mask=h_valid[:, None] & dr_mask[None, :], other=0.0)
-    if ROW_MAP:
-        seq = tl.load(row_seq_ptr + row)
-        kv_len = tl.load(row_kv_len_ptr + row)
-    else:
-        seq = row
-        kv_len = tl.load(seq_lens_ptr + row)
-    if SPARSE:
-        n_keys = num_topk
-    else:
-        n_keys = kv_len
-    split_len = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, n_keys)
-    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    kv_len, start, end, bt_row_ptr = _split_keys(row, split, seq_lens_ptr, row_seq_ptr, row_kv_len_ptr, bt_ptr,
+                                                  stride_bt, num_splits, num_topk, BLOCK_N, ROW_MAP, SPARSE)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
     for s in range(start, end, BLOCK_N):
-        j = s + tl.arange(0, BLOCK_N)
-        valid = j < end
-        if SPARSE:
-            pos = tl.load(topk_ptr + row64 * stride_tk + j, mask=valid, other=-1)
-            valid = valid & (pos >= 0) & (pos < kv_len)
-        else:
-            pos = j
-        pos = tl.where(valid, pos, 0)
-        phys = tl.load(bt_row_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
-        off = phys * stride_cb + (pos % block_size) * stride_co
+        valid, off = _tile_entries(s, end, kv_len, row64, topk_ptr, stride_tk, bt_row_ptr, block_size, stride_cb,
+                                   stride_co, BLOCK_N, SPARSE)
         kv = tl.load(cache_ptr + off[:, None] + dl[None, :], mask=valid[:, None] & dl_mask[None, :],
                      other=0.0).to(q_lat.dtype)
         pe = tl.load(cache_ptr + off[:, None] + LATENT + dr[None, :], mask=valid[:, None] & dr_mask[None, :],
@@ -192,36 +210,17 @@ def _mla_decode_halves_kernel(
     q_b = tl.load(q_row + db[None, :], mask=h_valid[:, None] & db_mask[None, :], other=0.0)
     q_pe = tl.load(q_pe_ptr + row64 * stride_qpt + h[:, None] * stride_qph + dr[None, :],
                    mask=h_valid[:, None] & dr_mask[None, :], other=0.0)
-    if ROW_MAP:
-        seq = tl.load(row_seq_ptr + row)
-        kv_len = tl.load(row_kv_len_ptr + row)
-    else:
-        seq = row
-        kv_len = tl.load(seq_lens_ptr + row)
-    if SPARSE:
-        n_keys = num_topk
-    else:
-        n_keys = kv_len
-    split_len = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, n_keys)
-    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    kv_len, start, end, bt_row_ptr = _split_keys(row, split, seq_lens_ptr, row_seq_ptr, row_kv_len_ptr, bt_ptr,
+                                                  stride_bt, num_splits, num_topk, BLOCK_N, ROW_MAP, SPARSE)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc_a = tl.zeros([BLOCK_H, HALF], tl.float32)
     acc_b = tl.zeros([BLOCK_H, HALF], tl.float32)  # unused with two value programs
     for s in range(start, end, BLOCK_N):
-        j = s + tl.arange(0, BLOCK_N)
-        valid = j < end
-        if SPARSE:
-            pos = tl.load(topk_ptr + row64 * stride_tk + j, mask=valid, other=-1)
-            valid = valid & (pos >= 0) & (pos < kv_len)
-        else:
-            pos = j
-        pos = tl.where(valid, pos, 0)
-        phys = tl.load(bt_row_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
-        entry = cache_ptr + (phys * stride_cb + (pos % block_size) * stride_co)[:, None]
+        valid, off = _tile_entries(s, end, kv_len, row64, topk_ptr, stride_tk, bt_row_ptr, block_size, stride_cb,
+                                   stride_co, BLOCK_N, SPARSE)
+        entry = cache_ptr + off[:, None]
         kv_a = tl.load(entry + da[None, :], mask=valid[:, None] & da_mask[None, :], other=0.0).to(q_a.dtype)
         kv_b = tl.load(entry + db[None, :], mask=valid[:, None] & db_mask[None, :], other=0.0).to(q_a.dtype)
         pe = tl.load(entry + LATENT + dr[None, :], mask=valid[:, None] & dr_mask[None, :],
