@@ -201,20 +201,36 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
 
+@triton.jit
+def _visible_keys(seq_lens_ptr, query_lens_ptr, seq, NUM_Q: tl.constexpr):
+    # (seq_len, the keys every query row of the sequence sees, the real query rows). With NUM_Q
+    # query rows per sequence, the first query_len are real and the rest repeat the last real
+    # row's bound, so no row reads a key past seq_len. The splits cut only the common keys, so
+    # every non-empty split holds a key each row sees (no all-masked row); the last used split
+    # also takes the step's other new keys, under the causal mask.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if NUM_Q == 1:
+        return seq_len, seq_len, 1
+    q_len = tl.load(query_lens_ptr + seq)
+    return seq_len, tl.maximum(seq_len - q_len + 1, 0), q_len
+
+
 @triton.jit(do_not_specialize=["stride_bt", "stride_ps", "num_splits"])  # vary by step
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, query_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     stride_qs, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
     stride_ps, stride_ph, stride_os, stride_oh,
     scale_log2e, v_scale, block_size, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    DIRECT: tl.constexpr, PDL: tl.constexpr,
+    DIRECT: tl.constexpr, PDL: tl.constexpr, NUM_Q: tl.constexpr = 1,
 ):
-    # grid: (num_seqs, num_kv_heads, num_splits). Rows = the GROUP query heads of kv head kvh.
+    # grid: (num_seqs, num_kv_heads, num_splits). Rows = (query row t < NUM_Q, head in group)
+    # flattened t * GROUP + h, over kv head kvh: every K/V tile is loaded once for all of them.
+    # Query row t of sequence s is q row s * NUM_Q + t, at position seq_len - query_len + t.
     # DIRECT (one split): the program writes `out` (zeros for a sequence of length 0, a padded
-    # graph row). Otherwise each non-empty split writes, per head, its normalised partial
-    # output and log2-sum-exp (part_o [seqs, heads, splits, D], part_lse [seqs, heads, splits])
+    # graph row). Otherwise each non-empty split writes, per row, its normalised partial
+    # output and log2-sum-exp (part_o [rows, heads, splits, D], part_lse [rows, heads, splits])
     # for _decode_merge_kernel; empty splits write nothing.
     pdl_wait(PDL)
     pdl_launch_dependents(PDL)  # the merge, or at batch 1 the o_proj GEMV (which prefetches weights)
@@ -222,19 +238,26 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     h = tl.arange(0, BLOCK_H)
-    h_valid = h < GROUP
-    head = kvh * GROUP + h
+    if NUM_Q == 1:
+        tok = tl.zeros([BLOCK_H], tl.int32)
+        h_valid = h < GROUP
+        head = kvh * GROUP + h
+    else:
+        tok = h // GROUP
+        h_valid = h < NUM_Q * GROUP
+        head = kvh * GROUP + h % GROUP
+    q_row = seq.to(tl.int64) * NUM_Q + tok
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     io_mask = h_valid[:, None] & d_mask[None, :]
     # q does not depend on the split's bounds: its load is issued with seq_len's
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + head[:, None] * stride_qh + d[None, :],
+    q = tl.load(q_ptr + q_row[:, None] * stride_qs + head[:, None] * stride_qh + d[None, :],
                 mask=io_mask, other=0.0)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N)
+    seq_len, common, q_len = _visible_keys(seq_lens_ptr, query_lens_ptr, seq, NUM_Q)
+    split_len = _split_len(common, num_splits, BLOCK_N)
     start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    o_off = seq.to(tl.int64) * stride_os + head[:, None] * stride_oh + d[None, :]
+    end = tl.minimum(start + split_len, common)
+    o_off = q_row[:, None] * stride_os + head[:, None] * stride_oh + d[None, :]
     if start >= end:
         if DIRECT:  # only when seq_len == 0
             tl.store(out_ptr + o_off, tl.zeros([BLOCK_H, BLOCK_D], out_ptr.dtype.element_ty), mask=io_mask)
@@ -244,40 +267,49 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
-    for s in range(start, end, BLOCK_N):  # decode query sees every key: only mask n >= end
-        acc, m_i, l_i = _attend_tile(  # (q_pos argument `h` is unused without the causal mask)
-            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, s, end, h, kvh,
-            block_size, d, d_mask, stride_cb, stride_co, stride_ch, scale_log2e,
-            MASK_CAUSAL=False, BLOCK_N=BLOCK_N, PRECISION=PRECISION, UPCAST=UPCAST)
+    if NUM_Q == 1:
+        for s in range(start, end, BLOCK_N):  # decode query sees every key: only mask n >= end
+            acc, m_i, l_i = _attend_tile(  # (q_pos argument `h` is unused without the causal mask)
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, s, end, h, kvh,
+                block_size, d, d_mask, stride_cb, stride_co, stride_ch, scale_log2e,
+                MASK_CAUSAL=False, BLOCK_N=BLOCK_N, PRECISION=PRECISION, UPCAST=UPCAST)
+    else:
+        q_pos = seq_len - q_len + tl.minimum(tok, q_len - 1)
+        end = tl.where(end == common, seq_len, end)
+        for s in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, s, end, q_pos, kvh,
+                block_size, d, d_mask, stride_cb, stride_co, stride_ch, scale_log2e,
+                MASK_CAUSAL=True, BLOCK_N=BLOCK_N, PRECISION=PRECISION, UPCAST=UPCAST)
 
     o = acc * (v_scale / l_i[:, None])
     if DIRECT:
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        p_row = seq.to(tl.int64) * stride_ps + head * stride_ph + split  # [BLOCK_H] (split stride 1)
+        p_row = q_row * stride_ps + head * stride_ph + split  # [BLOCK_H] (split stride 1)
         tl.store(part_o_ptr + p_row[:, None] * HEAD_DIM + d[None, :], o, mask=io_mask)
         tl.store(part_lse_ptr + p_row, m_i + tl.log2(l_i), mask=h_valid)
 
 
 @triton.jit(do_not_specialize=["stride_ps", "num_splits"])
 def _decode_merge_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, query_lens_ptr,
     stride_ps, stride_ph, stride_os, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, NUM_Q: tl.constexpr = 1,
 ):
-    # grid: (num_seqs, num_heads). out = sum_s w_s * o_s / sum_s w_s over the used splits,
+    # grid: (num_seqs * NUM_Q, num_heads). out = sum_s w_s * o_s / sum_s w_s over the used splits,
     # w_s = 2^(lse_s - max lse), BLOCK_S splits per tile (a constant: no split count compiles a
     # variant of its own; one tile in the usual case). A sequence of length 0 gets zeros.
     pdl_wait(PDL)
     pdl_launch_dependents(PDL)  # at batch 1 the o_proj GEMV follows: it prefetches its weights meanwhile
-    seq = tl.program_id(0)
+    row = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    n_used = tl.cdiv(seq_len, tl.maximum(_split_len(seq_len, num_splits, BLOCK_N), 1))
+    seq_len, common, q_len = _visible_keys(seq_lens_ptr, query_lens_ptr, row // NUM_Q, NUM_Q)
+    n_used = tl.cdiv(common, tl.maximum(_split_len(common, num_splits, BLOCK_N), 1))
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    row0 = seq.to(tl.int64) * stride_ps + head * stride_ph
+    row0 = row.to(tl.int64) * stride_ps + head * stride_ph
     m = tl.full([1], float("-inf"), tl.float32)
     w_sum = tl.zeros([1], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
@@ -294,7 +326,7 @@ def _decode_merge_kernel(
         w_sum = w_sum * rescale + tl.sum(w, 0)
         m = m_new
     out = acc / tl.maximum(w_sum, 1.0)  # w_sum >= 1 (the largest split has w = 1); 0 / 1 when no split
-    tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + row.to(tl.int64) * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d_mask)
 
 
@@ -332,13 +364,23 @@ def _decode_config(head_dim, num_seqs, num_kv_heads, num_splits, device):
 
 
 def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_kv_splits=None,
-                            k_scale: float = 1.0, v_scale: float = 1.0, *, config: tuple | None = None):
-    """config: (BLOCK_N, num_warps, num_stages) instead of _decode_config's (benchmarks)."""
+                            k_scale: float = 1.0, v_scale: float = 1.0, *, num_queries: int = 1,
+                            query_lens: torch.Tensor | None = None, config: tuple | None = None):
+    """Split-KV decode of `num_queries` query rows per sequence (q [num_seqs * num_queries, heads,
+    head_dim]; the rows of sequence s are s * num_queries ..). With num_queries > 1 (a verify
+    step), `query_lens` (int32 [num_seqs], 1..num_queries) says how many of them are real: real
+    row t sits at position seq_len - query_len + t and sees keys up to it (causal); a row past
+    query_len repeats the last real row's bound (its output is defined, and ignored). Everything
+    about the launch comes from shapes and host ints: it replays inside CUDA graphs.
+    config: (BLOCK_N, num_warps, num_stages) instead of _decode_config's (benchmarks)."""
     _check_paged(q, k_cache, v_cache, block_tables)
-    num_seqs, num_heads, head_dim = q.shape
+    num_rows, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    assert num_rows == num_seqs * num_queries, (num_rows, num_seqs, num_queries)
+    assert (query_lens is not None) == (num_queries > 1), "query_lens goes with num_queries > 1"
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    out = torch.empty((num_rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
     if num_kv_splits is None:
@@ -352,22 +394,25 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, 
     if direct:
         part_o = part_lse = out  # unused
     else:
-        part_o = torch.empty((num_seqs, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_seqs, num_heads, num_kv_splits), dtype=torch.float32, device=q.device)
+        part_o = torch.empty((num_rows, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_rows, num_heads, num_kv_splits), dtype=torch.float32, device=q.device)
+    query_lens = seq_lens if query_lens is None else query_lens  # unread with one query row
     _decode_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
+        q, k_cache, v_cache, block_tables, seq_lens, query_lens, part_o, part_lse, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_heads * num_kv_splits, num_kv_splits, out.stride(0), out.stride(1),
         scale * k_scale * LOG2E, v_scale, k_cache.shape[1], num_kv_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        **_dot_flags(q.dtype), DIRECT=direct, num_warps=num_warps, num_stages=num_stages, **pdl_args(),
+        BLOCK_H=max(16, triton.next_power_of_2(group * num_queries)), BLOCK_N=block_n,
+        **_dot_flags(q.dtype), DIRECT=direct, NUM_Q=num_queries, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(),
     )
     if not direct:
-        _decode_merge_kernel[(num_seqs, num_heads)](
-            part_o, part_lse, out, seq_lens,
+        _decode_merge_kernel[(num_rows, num_heads)](
+            part_o, part_lse, out, seq_lens, query_lens,
             num_heads * num_kv_splits, num_kv_splits, out.stride(0), out.stride(1), num_kv_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=16, BLOCK_N=block_n, num_warps=4, **pdl_args(),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=16, BLOCK_N=block_n, NUM_Q=num_queries, num_warps=4,
+            **pdl_args(),
         )
     return out
 

@@ -150,18 +150,21 @@ KERNELS = {
         "logits_ptr": "*bf16", "weights_ptr": F32, "ids_ptr": I64, "n_rows": INT, "num_experts": INT,
         "stride_row": INT}, {"TOP_K": 10, "BLOCK_K": 16, "BLOCK_E": 512, "RENORMALIZE": True, "PDL": True}, 4),
     # Qwen3-8B's attention: 32 q heads over 8 kv heads of 128, bf16 cache
-    **{f"paged_attention._decode_kernel[DIRECT={direct}]": (A._decode_kernel, {
+    # (and a verify step's multi-query decode: 1 + 4 query rows per sequence)
+    **{f"paged_attention._decode_kernel[DIRECT={direct}{f',NUM_Q={nq}' if nq > 1 else ''}]": (A._decode_kernel, {
         "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "bt_ptr": I32, "seq_lens_ptr": I32,
-        "part_o_ptr": F32, "part_lse_ptr": F32, "out_ptr": "*bf16",
+        "query_lens_ptr": I32, "part_o_ptr": F32, "part_lse_ptr": F32, "out_ptr": "*bf16",
         **{name: INT for name in ("stride_qs", "stride_qh", "stride_cb", "stride_co", "stride_ch", "stride_bt",
                                   "stride_ps", "stride_ph", "stride_os", "stride_oh")},
         "scale_log2e": "fp32", "v_scale": "fp32", "block_size": INT, "num_splits": INT},
-        {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "BLOCK_N": 64, "PRECISION": None,
-         "UPCAST": False, "DIRECT": direct, "PDL": True}, 4) for direct in (False, True)},
-    "paged_attention._decode_merge_kernel": (A._decode_merge_kernel, {
-        "part_o_ptr": F32, "part_lse_ptr": F32, "out_ptr": "*bf16", "seq_lens_ptr": I32,
+        {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16 if nq == 1 else 32, "BLOCK_N": 64,
+         "PRECISION": None, "UPCAST": False, "DIRECT": direct, "PDL": True, "NUM_Q": nq}, 4)
+       for direct, nq in ((False, 1), (True, 1), (False, 5))},
+    **{f"paged_attention._decode_merge_kernel{f'[NUM_Q={nq}]' if nq > 1 else ''}": (A._decode_merge_kernel, {
+        "part_o_ptr": F32, "part_lse_ptr": F32, "out_ptr": "*bf16", "seq_lens_ptr": I32, "query_lens_ptr": I32,
         **{name: INT for name in ("stride_ps", "stride_ph", "stride_os", "stride_oh", "num_splits")}},
-        {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 16, "BLOCK_N": 64, "PDL": True}, 4),
+        {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 16, "BLOCK_N": 64, "PDL": True, "NUM_Q": nq}, 4)
+       for nq in (1, 5)},
     # DeepSeek-V3's MLA at tp=1: 128 heads, latent 512 + rope 64, q/k 128 + 64, v 128; the module's
     # default tiles. Split bf16 decode, and a direct fp8 sparse decode over mapped rows
     **{f"mla_decode._mla_decode_kernel[{cache}]": (MD._mla_decode_kernel, {
