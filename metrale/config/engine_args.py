@@ -155,6 +155,13 @@ class EngineArgs:
                                       "use --speculative-config with method ngram)")
     num_drafts: int | None = option(None, "Tokens a drafter proposes per step (speculative_config's "
                                           "num_speculative_tokens when that leaves it out)")
+    spec_cost_model: str | None = option(None, "How many drafts a step verifies: static: num_speculative_tokens "
+                                               "every step; measured: per step, from --spec-cost-calibration's "
+                                               "table, the batch size and the acceptance seen (0 where drafting "
+                                               "does not pay); default: speculative_config's cost_model, else "
+                                               "static")
+    spec_cost_calibration: str | None = option(None, "The table `met benchmark spec-cost-table` wrote, read by "
+                                                     "--spec-cost-model measured")
 
     def __post_init__(self) -> None:
         if self.pipeline_parallel_size != 1:
@@ -224,7 +231,8 @@ class EngineArgs:
     @property
     def speculative_decoding(self) -> SpeculativeConfig | None:
         """`speculative_config` (a dict, or a JSON object on the command line) parsed, or None."""
-        return SpeculativeConfig.parse(self.speculative_config, self.num_drafts)
+        return SpeculativeConfig.parse(self.speculative_config, self.num_drafts, self.spec_cost_model,
+                                       self.spec_cost_calibration)
 
     @property
     def kv_cache_skip_layers(self) -> frozenset[int]:

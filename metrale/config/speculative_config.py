@@ -15,7 +15,11 @@ from dataclasses import dataclass
 NOT_BUILT_METHODS = ("mtp", "deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp", "dflash", "eagle", "eagle3",
                      "medusa", "mlp_speculator", "draft_model", "suffix")
 BUILT_METHODS = ("ngram",)
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "cost_model",
+         "cost_calibration")
+# static: k = num_speculative_tokens every step; measured: k per step from a calibration table
+# (engine/spec_cost_model.py, docs/speculative.md "The cost model").
+COST_MODELS = ("static", "measured")
 
 
 @dataclass(frozen=True)
@@ -26,16 +30,22 @@ class SpeculativeConfig:
     # its earlier tokens (prompt and output) and proposes the k tokens that followed the match.
     prompt_lookup_min: int
     prompt_lookup_max: int
+    cost_model: str = "static"
+    cost_calibration: str | None = None  # the table `measured` reads (met benchmark spec-cost-table)
 
     @classmethod
-    def parse(cls, value: str | dict | None, num_drafts: int | None = None) -> "SpeculativeConfig | None":
+    def parse(cls, value: str | dict | None, num_drafts: int | None = None, cost_model: str | None = None,
+              cost_calibration: str | None = None) -> "SpeculativeConfig | None":
         """From a dict or a JSON object (None or "" : no speculation). `num_drafts` (the
-        reference system's --num-drafts) gives k when the config leaves it out. ValueError
-        names what is wrong."""
+        reference system's --num-drafts) gives k when the config leaves it out; `cost_model`
+        and `cost_calibration` (--spec-cost-model, --spec-cost-calibration) likewise give the
+        keys of the same names. ValueError names what is wrong."""
         if value is None or (isinstance(value, str) and not value.strip()):
-            if num_drafts is not None:
-                raise ValueError("num_drafts sets how many tokens a drafter proposes, and no drafter is "
-                                 "configured: give speculative_config too")
+            for name, given in (("num_drafts", num_drafts), ("spec_cost_model", cost_model),
+                                ("spec_cost_calibration", cost_calibration)):
+                if given is not None:
+                    raise ValueError(f"{name} configures a drafter, and no drafter is configured: give "
+                                     "speculative_config too")
             return None
         if isinstance(value, str):
             try:
@@ -70,4 +80,22 @@ class SpeculativeConfig:
         if lookup_min > lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min {lookup_min} is above prompt_lookup_max "
                              f"{lookup_max}")
-        return cls(method, k, lookup_min, lookup_max)
+        model = _one_of(value, "cost_model", cost_model, "spec_cost_model") or "static"
+        calibration = _one_of(value, "cost_calibration", cost_calibration, "spec_cost_calibration")
+        if model not in COST_MODELS:
+            raise ValueError(f"speculative_config cost_model must be one of {', '.join(COST_MODELS)}, got {model!r}")
+        if model == "measured" and not calibration:
+            raise ValueError("speculative_config cost_model 'measured' needs a calibration table: "
+                             "--spec-cost-calibration FILE (or the key cost_calibration), written by "
+                             "`met benchmark spec-cost-table`")
+        if model == "static" and calibration:
+            raise ValueError("a spec-cost calibration table is read only with cost_model 'measured' "
+                             "(--spec-cost-model measured); static drafts num_speculative_tokens every step")
+        return cls(method, k, lookup_min, lookup_max, model, calibration or None)
+
+
+def _one_of(value: dict, key: str, given, flag: str):
+    """speculative_config's `key`, or the option `flag` that gives it; both: they must agree."""
+    if key in value and given is not None and value[key] != given:
+        raise ValueError(f"{flag} {given!r} and speculative_config's {key} {value[key]!r} disagree; give one")
+    return value.get(key, given)

@@ -96,6 +96,13 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _spec_cost_table(args: argparse.Namespace) -> int:
+    from metrale.bench import spec_cost_table
+
+    spec_cost_table.run(args)
+    return 0
+
+
 def _check_kernels(args: argparse.Namespace) -> int:
     """`met serve --check-kernels`: startup through the kernel audit, then its report; the exit
     status is the number of variants that cannot be built."""
@@ -196,6 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench_sub.add_parser("serve", help=serve_bench.__doc__.splitlines()[0])
     serve_bench.add_args(p)
     p.set_defaults(handler=_bench)
+    from metrale.bench import spec_cost_table
+
+    # `met benchmark spec-cost-table` (issue 17's name) and `met bench spec-cost-table` are one command.
+    benchmark = sub.add_parser("benchmark", help="calibration benchmarks (spec-cost-table)")
+    benchmark_sub = benchmark.add_subparsers(dest="benchmark", required=True)
+    for subparsers in (bench_sub, benchmark_sub):
+        p = subparsers.add_parser("spec-cost-table", help=spec_cost_table.__doc__.splitlines()[0])
+        spec_cost_table.add_args(p)
+        EngineArgs.add_cli_args(p)
+        p.set_defaults(handler=_spec_cost_table)
 
     from metrale.entrypoints.server.args import add_serve_args
 
