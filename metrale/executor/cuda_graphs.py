@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step.
+"""CUDA graphs of the decode step and of the verify step (speculative decoding).
 
 A pure decode step (one new token for each running sequence) is the same forward pass every
 time, only the numbers in its inputs change. It is captured once per batch size in
@@ -6,13 +6,27 @@ time, only the numbers in its inputs change. It is captured once per batch size 
 pool, over static input buffers. A step of n sequences replays the smallest graph of at least n,
 with the extra rows padded: slot -1 (no KV write), sequence length 0 (no KV read) and the padding
 state slot (state kinds read and write a slot no request owns).
+
+A verify step (requests with k drafts computed over 1 + k positions) has the same shape once
+every sequence is given the same number of query rows, q = 1 + num_speculative_tokens: sequence
+i owns rows i*q .. i*q+q-1, of which the first query_len_i are real (its last token and its
+drafts; a request without drafts in the step has one). The others are dummy rows: slot -1, the
+position of the sequence's last real row, results ignored (`VerifyRows`). The layout says so
+(BatchLayout.uniform_query_len, real_query_lens), and only backends that read it
+(`supports_verify_graphs`: the Triton attention and MLA backends, through their multi-query decode)
+take part: a model with another kind of cache (Gated DeltaNet state, DSA's indexer) verifies
+eagerly. Verify graphs are captured per batch size up to max_num_seqs rows in all (the logits the
+memory plan reserves), into the decode graphs' pool.
+
 Prefill and mixed steps, and batches larger than the largest graph, run eagerly.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from metrale.layers.forward_context import BatchLayout, set_forward_context
@@ -25,20 +39,57 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted({min(s, max_num_seqs) for s in sizes} | {max_num_seqs})
 
 
+def verify_capture_sizes(max_num_seqs: int, num_speculative_tokens: int) -> list[int]:
+    """The verify graphs' batch sizes: at most max_num_seqs rows of (1 + k) each, at least batch 1."""
+    rows = 1 + num_speculative_tokens
+    return [s for s in capture_sizes(max_num_seqs) if s * rows <= max_num_seqs] or [1]
+
+
+@dataclass
+class VerifyRows:
+    """Where a verify step's ragged rows go in a graph of `query_len` rows per sequence."""
+
+    padded_rows: np.ndarray  # int64 [num_tokens]: ragged row r of sequence i -> i * query_len + t
+    positions: np.ndarray  # int64 [num_seqs * query_len]; a dummy row repeats its sequence's last position
+
+
+def verify_rows(query_lens: list[int], seq_lens: list[int], query_len: int) -> VerifyRows:
+    lens = np.asarray(query_lens, dtype=np.int64)
+    t = np.arange(query_len, dtype=np.int64)
+    real = t[None, :] < lens[:, None]  # [num_seqs, query_len]
+    padded_rows = np.flatnonzero(real.ravel())  # row-major: sequence by sequence, in ragged order
+    first = np.asarray(seq_lens, dtype=np.int64) - lens
+    positions = first[:, None] + np.minimum(t[None, :], lens[:, None] - 1)
+    return VerifyRows(padded_rows, positions.ravel())
+
+
+def fits_verify_graph(query_lens: list[int], seq_lens: list[int], num_sampled_rows: int, query_len: int) -> bool:
+    """A step a verify graph can run: every sequence continues a computed context with at most
+    query_len rows, and every row's logits are sampled (decodes and drafts only, no prefill)."""
+    return (num_sampled_rows == sum(query_lens) and max(query_lens) <= query_len
+            and all(s > n for n, s in zip(query_lens, seq_lens)))
+
+
 class DecodeGraphs:
-    def __init__(self, runner, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int):
+    """Graphs of steps whose sequences own `query_len` rows each: pure decode (1) or verify (1 + k)."""
+
+    kind = "decode"
+
+    def __init__(self, runner, sizes: list[int], max_blocks_per_seq: int, max_model_len: int, query_len: int = 1):
         self.runner, self.model, self.device = runner, runner.model, runner.device
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = sizes
         self.max_batch = self.sizes[-1]
         self.max_model_len = max_model_len
-        n, device = self.max_batch, self.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.query_len = query_len
+        n, rows, device = self.max_batch, self.max_batch * query_len, self.device
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         # The static BatchLayout every graph reads: a replay copies the step's layout in.
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.real_query_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device) * query_len
         self.state_slots = torch.full((n,), runner.padding_slot, dtype=torch.int32, device=device)
         self.has_initial_state = torch.ones(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -46,23 +97,25 @@ class DecodeGraphs:
         self.memory_bytes = 0
 
     def _layout(self, batch: int) -> BatchLayout:
+        q, rows = self.query_len, batch * self.query_len
         return BatchLayout(
-            positions=self.positions[:batch], query_start_loc=self.query_start_loc[:batch + 1],
+            positions=self.positions[:rows], query_start_loc=self.query_start_loc[:batch + 1],
             seq_lens=self.seq_lens[:batch], block_tables=self.block_tables[:batch],
-            slot_mapping=self.slot_mapping[:batch], state_slots=self.state_slots[:batch],
-            has_initial_state=self.has_initial_state[:batch], max_query_len=1, max_seq_len=self.max_model_len,
-            query_lens_cpu=[1] * batch, seq_lens_cpu=[1] * batch, is_pure_decode=True)
+            slot_mapping=self.slot_mapping[:rows], state_slots=self.state_slots[:batch],
+            has_initial_state=self.has_initial_state[:batch], max_query_len=q, max_seq_len=self.max_model_len,
+            query_lens_cpu=[q] * batch, seq_lens_cpu=[q] * batch, is_pure_decode=q == 1,
+            uniform_query_len=q if q > 1 else 0, real_query_lens=self.real_query_lens[:batch] if q > 1 else None)
 
     def _forward(self, batch: int) -> torch.Tensor:
         layout = self._layout(batch)
         with set_forward_context(self.runner.forward_context(layout)):
-            hidden = self.model(self.input_ids[:batch], layout.positions)
+            hidden = self.model(self.input_ids[:batch * self.query_len], layout.positions)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool=None):
+        """Capture every size (into `pool` when given); returns the pool the graphs share."""
         before = torch.cuda.memory_reserved(self.device)
-        pool = None
         for batch in reversed(self.sizes):  # largest first: the smaller graphs fit in its pool
             self._forward(batch)  # warm-up: autotuning and lazy initialisation happen outside capture
             torch.cuda.synchronize(self.device)
@@ -73,8 +126,10 @@ class DecodeGraphs:
             self.graphs[batch] = graph
         torch.cuda.synchronize(self.device)
         self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
-        logger.info("captured %d decode CUDA graphs (batch sizes %s..%s), %.0f MiB", len(self.graphs),
-                    self.sizes[0], self.sizes[-1], self.memory_bytes / 2**20)
+        logger.info("captured %d %s CUDA graphs (batch sizes %s..%s, %d rows per sequence), %.0f MiB",
+                    len(self.graphs), self.kind, self.sizes[0], self.sizes[-1], self.query_len,
+                    self.memory_bytes / 2**20)
+        return pool
 
     def release(self) -> None:
         """Free the graphs. Must come before the NCCL process groups are torn down: a live graph
@@ -88,6 +143,17 @@ class DecodeGraphs:
     def can_run(self, batch: int) -> bool:
         return batch <= self.max_batch
 
+    def _copy_sequences(self, layout: BatchLayout, batch: int) -> None:
+        """The per-sequence buffers of n real sequences, the rest as padding (no KV read or write)."""
+        n = layout.num_seqs
+        self.seq_lens[:n].copy_(layout.seq_lens)
+        self.state_slots[:n].copy_(layout.state_slots)
+        width = layout.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(layout.block_tables)
+        if batch > n:
+            self.seq_lens[n:batch].fill_(0)
+            self.state_slots[n:batch].fill_(self.runner.padding_slot)
+
     def run(self, input_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """Logits [n, vocab] of a pure decode step of n sequences."""
         n = input_ids.shape[0]
@@ -95,13 +161,37 @@ class DecodeGraphs:
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(layout.positions)
         self.slot_mapping[:n].copy_(layout.slot_mapping)
-        self.seq_lens[:n].copy_(layout.seq_lens)
-        self.state_slots[:n].copy_(layout.state_slots)
-        width = layout.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(layout.block_tables)
         if batch > n:
             self.slot_mapping[n:batch].fill_(-1)
-            self.seq_lens[n:batch].fill_(0)
-            self.state_slots[n:batch].fill_(self.runner.padding_slot)
+        self._copy_sequences(layout, batch)
         self.graphs[batch].replay()
         return self.logits[batch][:n]
+
+
+class VerifyGraphs(DecodeGraphs):
+    """Verify steps of up to 1 + num_speculative_tokens rows per sequence (module docstring)."""
+
+    kind = "verify"
+
+    def can_run_step(self, layout: BatchLayout, num_sampled_rows: int) -> bool:
+        return (layout.num_seqs <= self.max_batch
+                and fits_verify_graph(layout.query_lens_cpu, layout.seq_lens_cpu, num_sampled_rows, self.query_len))
+
+    def run(self, input_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """Logits [num_tokens, vocab] of every row of a verify step, in its ragged order."""
+        n, q = layout.num_seqs, self.query_len
+        batch = next(s for s in self.sizes if s >= n)
+        placed = verify_rows(layout.query_lens_cpu, layout.seq_lens_cpu, q)
+        rows = self.runner._upload({"rows": placed.padded_rows, "positions": placed.positions,
+                                         "lens": np.asarray(layout.query_lens_cpu, dtype=np.int64)}, torch.int64)
+        self.input_ids[:batch * q].zero_()
+        self.input_ids[rows["rows"]] = input_ids
+        self.slot_mapping[:batch * q].fill_(-1)
+        self.slot_mapping[rows["rows"]] = layout.slot_mapping
+        self.positions[:n * q].copy_(rows["positions"])
+        self.positions[n * q:batch * q].zero_()
+        self.real_query_lens[:n].copy_(rows["lens"])
+        self.real_query_lens[n:batch].fill_(1)
+        self._copy_sequences(layout, batch)
+        self.graphs[batch].replay()
+        return self.logits[batch][rows["rows"]]

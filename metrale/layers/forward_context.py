@@ -38,6 +38,13 @@ class BatchLayout:
     # One new token for every sequence, each continuing a computed context (a first token of a
     # one-token prompt is not a decode: it has no state to continue).
     is_pure_decode: bool
+    # A verify step laid out for a CUDA graph (executor/cuda_graphs.py): every sequence owns
+    # exactly `uniform_query_len` rows (i*q .. i*q+q-1), the first real_query_lens[i] real and
+    # the rest dummy rows (slot -1, results ignored); seq_lens count the real tokens only, so
+    # query_start_loc is the rows' layout, not the real query lengths. Only backends that say
+    # `supports_verify_graphs` are handed such a layout. 0: the usual ragged layout.
+    uniform_query_len: int = 0
+    real_query_lens: torch.Tensor | None = None  # int32 [num_seqs] with uniform_query_len
 
     @property
     def num_seqs(self) -> int:
@@ -58,6 +65,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
     is_pure_decode: bool | None = None  # None: one query token per sequence
+    uniform_query_len: int = 0  # BatchLayout's: a verify graph's rows per sequence
+    real_query_lens: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.is_pure_decode is None:
@@ -67,7 +76,7 @@ class AttentionMetadata:
     def of(cls, layout: BatchLayout) -> "AttentionMetadata":
         return cls(layout.slot_mapping, layout.block_tables, layout.seq_lens, layout.query_start_loc,
                    layout.max_query_len, layout.max_seq_len, layout.seq_lens_cpu, layout.query_lens_cpu,
-                   layout.is_pure_decode)
+                   layout.is_pure_decode, layout.uniform_query_len, layout.real_query_lens)
 
     @property
     def num_seqs(self) -> int:

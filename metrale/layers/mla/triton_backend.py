@@ -12,6 +12,8 @@ reference (tests/layers/test_mla_triton_backend.py, tests/gpu/test_gpu_mla_backe
 - A selection (`topk_indices`, DSA): every row takes the absorbed form over its listed positions,
   decode or not. Sparse rows see at most K keys, so up-projecting a whole context for them would
   cost more than attending over the latent (DeepSeek's own sparse prefill is absorbed too).
+- Verify graphs' steps (speculative decoding, q rows per sequence): every row absorbed, mapped
+  to its sequence with its own key count (VerifyRowMap), as a decode over q causal rows.
 - The latent write is a Triton scatter (kernels/mla_latent_write.py), graph-safe.
 - An fp8 latent cache: written as value / latent_scale, read back times it (both kernels fold the
   scale; the extend path's gather dequantizes before kv_b_proj).
@@ -82,8 +84,28 @@ class MixedStepPlan:
 
 
 @dataclass
+class VerifyRowMap:
+    """A verify graph's rows (BatchLayout.uniform_query_len = q) mapped onto their sequences for
+    the absorbed decode: row r belongs to sequence r // q and sees its keys up to its position
+    (a dummy row: its sequence's last real position). Device arithmetic alone: graph-safe."""
+
+    row_seq: torch.Tensor  # int32 [num_seqs * q]
+    row_kv_len: torch.Tensor  # int32 [num_seqs * q]
+
+    @classmethod
+    def of(cls, layout: BatchLayout) -> "VerifyRowMap":
+        q = layout.uniform_query_len
+        rows = torch.arange(layout.seq_lens.shape[0] * q, device=layout.seq_lens.device, dtype=torch.int32)
+        row_seq = rows // q
+        real = layout.real_query_lens[row_seq]
+        row_kv_len = layout.seq_lens[row_seq] - real + torch.minimum(rows % q, real - 1) + 1
+        return cls(row_seq, row_kv_len.to(torch.int32))
+
+
+@dataclass
 class TritonMLAMetadata(AttentionMetadata):
     mixed: MixedStepPlan | None = None  # None on a pure decode step (nothing host-built: graph-safe)
+    verify_rows: VerifyRowMap | None = None  # a verify graph's step (then mixed is None too)
 
 
 def absorbed(q_nope, q_pe, cache, up: LatentUpProjection, block_tables, seq_lens, scale, latent_scale,
@@ -99,12 +121,14 @@ def absorbed(q_nope, q_pe, cache, up: LatentUpProjection, block_tables, seq_lens
 class TritonMLABackend(MLABackend):
     name = "triton"
     supports_cuda_graphs = True
+    supports_verify_graphs = True
 
     def build_metadata(self, layout: BatchLayout) -> TritonMLAMetadata:
         base = AttentionMetadata.of(layout)
-        mixed = None if layout.is_pure_decode else MixedStepPlan.of(layout)
+        verify = VerifyRowMap.of(layout) if layout.uniform_query_len > 1 else None
+        mixed = None if layout.is_pure_decode or verify is not None else MixedStepPlan.of(layout)
         return TritonMLAMetadata(**{f: getattr(base, f) for f in AttentionMetadata.__dataclass_fields__},
-                                 mixed=mixed)
+                                 mixed=mixed, verify_rows=verify)
 
     def write_latent(self, kv_c, k_pe, cache, slot_mapping, latent_scale: float = 1.0) -> None:
         write_latent_triton(kv_c, k_pe, cache, slot_mapping, latent_scale)
@@ -112,6 +136,10 @@ class TritonMLABackend(MLABackend):
     def forward(self, q_nope, q_pe, cache, up: LatentUpProjection, metadata: TritonMLAMetadata, scale: float,
                 topk_indices: torch.Tensor | None = None, latent_scale: float = 1.0) -> torch.Tensor:
         tables, seq_lens, plan = metadata.block_tables, metadata.seq_lens, metadata.mixed
+        if metadata.verify_rows is not None:  # a verify graph: every row absorbed, causal by its key count
+            rows = metadata.verify_rows
+            return absorbed(q_nope, q_pe, cache, up, tables, seq_lens, scale, latent_scale,
+                            topk_indices=topk_indices, row_seq=rows.row_seq, row_kv_len=rows.row_kv_len)
         if plan is None:  # pure decode: row i is sequence i
             return absorbed(q_nope, q_pe, cache, up, tables, seq_lens, scale, latent_scale,
                             topk_indices=topk_indices)
