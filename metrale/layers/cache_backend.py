@@ -32,6 +32,8 @@ _MODULES = {
             "triton": "metrale.layers.mla.triton_backend"},
     "indexer": {"torch": "metrale.layers.mla.indexer_torch_backend",  # DSA's indexer keys (layers/mla/indexer.py)
                 "triton": "metrale.layers.mla.indexer_triton_backend"},
+    # GLM-5.3's indexer over pooled index groups (layers/mla/indexer_pooling.py), no Triton yet
+    "pooled_indexer": {"torch": "metrale.layers.mla.indexer_pooled_torch_backend"},
 }
 _REGISTRY: dict[tuple[str, str], type["CacheBackend"]] = {}
 

@@ -79,16 +79,17 @@ def make_mla(config: ModelConfig, layer_index: int, **dsa) -> MLAAttention:
 
 
 class DeepseekV3MoE(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, swiglu_limit: float | None = None):
+        """`swiglu_limit`: gate and up clamped in the experts and the shared experts (GLM-5.3)."""
         super().__init__()
         hf, hidden = config.hf_config, config.hidden_size
         self.gate = Float32Router(hidden, hf.n_routed_experts)
         self.experts = FusedMoE(hf.n_routed_experts, hf.num_experts_per_tok, hidden, hf.moe_intermediate_size,
                                 scoring="sigmoid", renormalize=bool(hf.norm_topk_prob), use_correction_bias=True,
                                 num_expert_groups=hf.n_group or 1, topk_groups=hf.topk_group or 1,
-                                routed_scaling_factor=hf.routed_scaling_factor)
+                                routed_scaling_factor=hf.routed_scaling_factor, swiglu_limit=swiglu_limit)
         shared = hf.moe_intermediate_size * (hf.n_shared_experts or 0)
-        self.shared_experts = GatedMLP(hidden, shared) if shared else None
+        self.shared_experts = GatedMLP(hidden, shared, swiglu_limit=swiglu_limit) if shared else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.experts(hidden, self.gate(hidden))

@@ -16,6 +16,9 @@ _MODELS = {
     "Glm4MoeForCausalLM": ("metrale.models.glm4_moe", "Glm4MoeForCausalLM"),
     "DeepseekV32ForCausalLM": ("metrale.models.deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("metrale.models.glm_moe_dsa", "GlmMoeDsaForCausalLM"),
+    # GLM-5.3: the text part; the multimodal checkpoint's name serves it too (vision weights skipped).
+    "Glm5NextForCausalLM": ("metrale.models.glm5_next", "Glm5NextForCausalLM"),
+    "Glm5NextForConditionalGeneration": ("metrale.models.glm5_next", "Glm5NextForCausalLM"),
     "Qwen3NextForCausalLM": ("metrale.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("metrale.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("metrale.models.qwen3_5", "Qwen3_5MoeForCausalLM"),

@@ -12,10 +12,10 @@ from metrale import LLM, SamplingParams
 from test_generation_vs_hf import NEW_TOKENS, make_prompts
 
 
-def family_fixtures(make_checkpoint, checkpoint_name: str):
+def family_fixtures(make_checkpoint, checkpoint_name: str, load=load_reference):
     """Module-scoped fixtures `checkpoint_name` (family -> path, via `make_checkpoint(dir, family)`)
-    and `expected` (family -> transformers' greedy tokens for make_prompts()); assign both to
-    names in the test module."""
+    and `expected` (family -> transformers' greedy tokens for make_prompts(), from the model
+    `load(path)` gives); assign both to names in the test module."""
 
     @pytest.fixture(scope="module", name=checkpoint_name)
     def checkpoint(tmp_path_factory):
@@ -34,7 +34,7 @@ def family_fixtures(make_checkpoint, checkpoint_name: str):
 
         def get(family):
             if family not in cache:
-                model = load_reference(get_checkpoint(family))
+                model = load(get_checkpoint(family))
                 cache[family] = [reference_greedy(model, p, NEW_TOKENS) for p in make_prompts()]
             return cache[family]
 

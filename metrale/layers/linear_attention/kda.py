@@ -46,6 +46,8 @@ from metrale.layers.linear_attention.kda_backend import KIND
 
 # (ours, the checkpoint's, shard): q/k/v_proj load into qkv_proj's segments.
 STACKED_PARAMS = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2)]
+# The conv weight as GLM-5.3's checkpoints store it, one per projection (transformers concatenates them).
+CONV_STACKED_PARAMS = [("conv1d", "q_conv1d", 0), ("conv1d", "k_conv1d", 1), ("conv1d", "v_conv1d", 2)]
 
 
 @dataclass(frozen=True)
@@ -115,11 +117,18 @@ class KimiDeltaAttention(nn.Module):
     # -- weights -----------------------------------------------------------------------------
 
     def _load_conv(self, param, loaded, shard_id=None):
+        """The whole [q | k | v] conv weight, or with `shard_id` 0, 1, 2 one of q_conv1d,
+        k_conv1d, v_conv1d (GLM-5.3's checkpoints store them apart: CONV_STACKED_PARAMS)."""
         if tuple(loaded.shape[1:]) != (1, self.dims.conv_kernel):
             raise ValueError(f"KDA conv1d weight shape {tuple(loaded.shape)} does not match "
                              f"({3 * self.dims.num_heads * self.dims.head_dim}, 1, {self.dims.conv_kernel})")
         full = self.dims.num_heads * self.dims.head_dim
-        load_column_segments(param, loaded, [full] * 3, self.tp, name="KDA conv1d", partitions=[self._channels] * 3)
+        if shard_id is None:
+            load_column_segments(param, loaded, [full] * 3, self.tp, name="KDA conv1d",
+                                 partitions=[self._channels] * 3)
+            return
+        load_column_segments(param, loaded, [full], self.tp, param_offset=shard_id * self.width,
+                             name=f"KDA conv1d[{shard_id}]", partitions=[self._channels])
 
     def _load_by_head(self, param, loaded, shard_id=None):
         """dt_bias (head_dim per head) and A_log (one per head): this rank's heads."""

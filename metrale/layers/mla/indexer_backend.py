@@ -37,10 +37,13 @@ from metrale.layers.forward_context import AttentionMetadata, BatchLayout
 @dataclass(frozen=True)
 class IndexerCache:
     """One layer's indexer cache, as bound: keys [num_blocks, block_size, index_head_dim] in the
-    cache dtype, and with fp8 keys their scales [num_blocks, block_size] float32 (else None)."""
+    cache dtype, and with fp8 keys their scales [num_blocks, block_size] float32 (else None);
+    with pooled index groups (GLM-5.3, layers/mla/indexer_pooling.py) the group gate logits
+    [num_blocks, block_size, index_head_dim] in the keys' dtype (else None)."""
 
     keys: torch.Tensor
     scales: torch.Tensor | None = None
+    pool_gates: torch.Tensor | None = None
 
     @property
     def is_fp8(self) -> bool:

@@ -99,12 +99,14 @@ class MLADims:
 class MLAAttention(nn.Module):
     def __init__(self, dims: MLADims, layer_index: int, rotary: nn.Module, scale: float,
                  latent_norm_eps: float = 1e-6, rope_interleaved: bool = False, indexer: DSAIndexer | None = None,
-                 selection_source: int | None = None):
-        """`rotary`: a neox-style RotaryEmbedding of qk_rope_head_dim; `scale`: the softmax scale
+                 selection_source: int | None = None, selection_kind: str = INDEXER_KIND):
+        """`rotary`: a neox-style RotaryEmbedding of qk_rope_head_dim (None when that is 0: no
+        RoPE, GLM-5.3); `scale`: the softmax scale
         (qk_head_dim ** -0.5, times any yarn mscale the model applies); `latent_norm_eps`: the
         eps of q_a_layernorm and kv_a_layernorm. DSA (module docstring): `indexer` for a full
         layer, or `selection_source`, the model layer number of the full layer a shared one
-        reuses (an earlier layer)."""
+        reuses (an earlier layer), whose indexer's cache kind is `selection_kind` (the metadata
+        its selection travels in: "indexer", or "pooled_indexer" for GLM-5.3's)."""
         super().__init__()
         if indexer is not None and selection_source is not None:
             raise ValueError(f"MLA layer {layer_index}: an indexer or a shared selection, not both")
@@ -141,6 +143,7 @@ class MLAAttention(nn.Module):
         self.rotary_emb = rotary
         self.indexer = indexer
         self.selection_source = selection_source
+        self.selection_kind = selection_kind
         # The model dtype (construction runs under it): what an FP8 kv_b_proj is dequantized to.
         self.model_dtype = torch.get_default_dtype()
         # Set by the post-load hook: kv_b_proj as the backends read it.
@@ -205,7 +208,10 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
-        q_pe, k_pe = self._rope(positions, q_pe, k_pe.unsqueeze(1))
+        if d.qk_rope_head_dim:
+            q_pe, k_pe = self._rope(positions, q_pe, k_pe.unsqueeze(1))
+        else:
+            k_pe = k_pe.unsqueeze(1)
         backend.write_latent(kv_c, k_pe.squeeze(1), self.latent_cache, metadata.slot_mapping, self.latent_scale)
         topk_indices = self._selection(ctx, positions, hidden, q_resid)
         heads = backend.forward(q_nope, q_pe, self.latent_cache, self.up, metadata, self.scale, topk_indices,
@@ -216,10 +222,10 @@ class MLAAttention(nn.Module):
         """The positions each row attends to (DSA), or None for dense attention."""
         if self.indexer is not None:
             selection = self.indexer(positions, hidden, q_resid, self.rotary_emb)
-            ctx.metadata[INDEXER_KIND].selections[self.layer_index] = selection
+            ctx.metadata[self.indexer.kind].selections[self.layer_index] = selection
             return selection
         if self.selection_source is not None:
-            selections = ctx.metadata[INDEXER_KIND].selections
+            selections = ctx.metadata[self.selection_kind].selections
             if self.selection_source not in selections:
                 raise RuntimeError(f"MLA layer {self.layer_index} reuses layer {self.selection_source}'s selection, "
                                    f"which this step has not made")

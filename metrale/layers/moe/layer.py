@@ -41,8 +41,12 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  scoring: str = "softmax", renormalize: bool = True, use_correction_bias: bool = False,
                  layout: MoEParallelLayout | None = None, reduce_results: bool = True,
-                 num_expert_groups: int = 1, topk_groups: int = 1, routed_scaling_factor: float = 1.0):
+                 num_expert_groups: int = 1, topk_groups: int = 1, routed_scaling_factor: float = 1.0,
+                 swiglu_limit: float | None = None):
+        """`swiglu_limit` (GLM-5.3): every expert's gate and up clamped before silu(gate) * up
+        (the reference and the grouped Triton GEMM; FP8 experts with it are refused)."""
         super().__init__()
+        self.swiglu_limit = swiglu_limit
         if scoring not in SCORING_FUNCTIONS:
             raise ValueError(f"unknown MoE scoring function {scoring!r}; expected one of {SCORING_FUNCTIONS}")
         if not 0 < top_k <= num_experts:
@@ -131,16 +135,25 @@ class FusedMoE(nn.Module):
         """hidden [T, H], router_logits [T, num_experts] -> [T, H], summed over the layout's ranks."""
         topk_weights, topk_ids = self.route(router_logits)
         if self.fp8 is not None:
+            if self.swiglu_limit is not None:
+                raise NotImplementedError("FP8 experts with a swiglu_limit (GLM-5.3) are not implemented")
             out = self.fp8.experts(self, hidden, topk_weights, topk_ids)
+        elif self.swiglu_limit is not None:
+            out = self._experts(hidden, clamped=True)(hidden, self.w13, self.w2, topk_weights, topk_ids,
+                                                      self.expert_start, swiglu_limit=self.swiglu_limit)
         else:
             out = self._experts(hidden)(hidden, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)
         return self.layout.reduce_group.all_reduce(out) if self.reduce_results else out
 
-    def _experts(self, hidden: torch.Tensor):
+    def _experts(self, hidden: torch.Tensor, clamped: bool = False):
+        """`clamped`: an implementation that takes swiglu_limit (not the small-batch GEMVs)."""
         if not use_triton(hidden):
             return fused_experts_reference
         from metrale.kernels.moe_gemv import fused_experts_small_batch_triton, use_small_batch
         from metrale.layers.moe.triton_moe import fused_experts_triton
+
+        if clamped:
+            return fused_experts_triton
 
         # Decode-sized batches: per-assignment GEMVs; larger ones: the grouped GEMM.
         small = use_small_batch(hidden.shape[0], self.local_intermediate)

@@ -21,6 +21,7 @@ import torch
 from metrale.kernels import tl, triton
 from metrale.kernels.activation import silu_and_mul
 from metrale.kernels.moe_align import align_assignments
+from metrale.layers.activation import clamp_swiglu
 
 
 @triton.jit(do_not_specialize=["num_assign"])  # varies every step: no recompiles
@@ -84,7 +85,8 @@ def _block_sizes(num_assign: int, num_experts: int) -> tuple[int, int, int]:
 
 def fused_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                          topk_ids: torch.Tensor, expert_start: int = 0,
-                         block_sizes: tuple[int, int, int] | None = None) -> torch.Tensor:
+                         block_sizes: tuple[int, int, int] | None = None,
+                         swiglu_limit: float | None = None) -> torch.Tensor:
     """Same contract as `fused_experts_reference`: hidden [T, H] -> [T, H]."""
     num_tokens, top_k = topk_ids.shape
     num_local, two_i, _ = w13.shape
@@ -96,7 +98,7 @@ def fused_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     inter = torch.empty((num_assign, two_i), dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(hidden, w13, inter, None, sorted_ids, block_expert, top_k, block_m, block_n, block_k)
     # Rows of foreign assignments hold garbage here; GEMM 2 never reads them.
-    act = silu_and_mul(inter)
+    act = silu_and_mul(inter if swiglu_limit is None else clamp_swiglu(inter, swiglu_limit))
     out = torch.zeros((num_assign, hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _grouped_gemm(act, w2, out, weights, sorted_ids, block_expert, 1, block_m, block_n, block_k)
