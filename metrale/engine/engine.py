@@ -17,6 +17,8 @@ from metrale.engine.request import Request, RequestStatus
 from metrale.messages.sampling_params import SamplingParams
 from metrale.engine.scheduler import Scheduler
 from metrale.engine.ngram_drafter import NgramDrafter
+from metrale.engine.runner_drafts import RunnerDrafts
+from metrale.engine.spec_cost_model import CostTable, DraftLengthChooser
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ class LLMEngine:
                                    enable_prefix_caching=args.enable_prefix_caching,
                                    num_state_slots=parts.plan.max_num_seqs if parts.plan.state_bytes_per_slot else 0,
                                    num_checkpoint_slots=parts.plan.num_checkpoint_slots,
-                                   drafter=self._drafter(args))
+                                   drafter=self._drafter(args), draft_length=self._draft_length(args))
         self.outputs = OutputProcessor(self.tokenizer)
         # The launched step whose result is not applied yet (asynchronous scheduling only).
         self._inflight = None
@@ -72,14 +74,39 @@ class LLMEngine:
         self._seed_rng = random.Random(args.seed)
         self._children: dict[str, list[str]] = {}
 
-    @staticmethod
-    def _drafter(args: EngineArgs) -> NgramDrafter | None:
+    def _drafter(self, args: EngineArgs) -> NgramDrafter | RunnerDrafts | None:
+        """The scheduler's drafter: n-gram, or the stand-in of the runner's (MTP, DFlash)."""
         spec = args.speculative_decoding
         if spec is None:
             return None
+        in_runner = getattr(self.runner, "drafter", None)
+        if in_runner is not None:
+            logger.info("speculative decoding: drafts proposed in the model runner (%s)", in_runner.describe())
+            return RunnerDrafts(in_runner.k, in_runner.lookahead_tokens)
         logger.info("speculative decoding: %s drafts of up to %d tokens (prompt lookup n = %d..%d)", spec.method,
                     spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def _draft_length(self, args: EngineArgs) -> DraftLengthChooser | None:
+        """--spec-cost-model measured: the chooser of each step's k over the calibration table,
+        once the table is checked to be this drafter's, this target's and this device's."""
+        spec = args.speculative_decoding
+        if spec is None or spec.cost_model == "static":
+            return None
+        from metrale.engine.spec_cost_identity import setup_identity
+
+        try:
+            table = CostTable.load(spec.cost_calibration)
+            table.check_identity(setup_identity(args, self.model_config, self.device, self.runner.model, spec,
+                                                getattr(self.runner, "drafter", None)), spec.cost_calibration)
+            chooser = DraftLengthChooser(table, spec.num_speculative_tokens)
+        except Exception:
+            self.executor.shutdown()  # the worker ranks, started already, would outlive the refusal
+            raise
+        logger.info("speculative decoding: k per step from the measured cost table %s (batch sizes %d..%d, "
+                    "k in %s)", spec.cost_calibration, table.batch_sizes[0], table.batch_sizes[-1],
+                    list(table.num_drafts))
+        return chooser
 
     def _resolve_async_scheduling(self, asked: bool | None) -> bool:
         """On by default where it pays: on a CUDA device the host plans step N+1 while the GPU

@@ -11,7 +11,10 @@ Speculative decoding rides the same path: a running request whose tokens are all
 computed but the last gets drafts (engine/ngram_drafter.py) and is scheduled 1 + k tokens, with
 KV room for all of them. The result rolls num_computed_tokens back by the drafts rejected, so a
 rejected token's KV is overwritten later and never becomes part of a cached (hashed) block: the
-prefix cache only takes blocks whose tokens are all computed and known. No torch here.
+prefix cache only takes blocks whose tokens are all computed and known. On models with
+per-request state the runner keeps the state of the last accepted position (per-draft scratch
+slots, layers/linear_attention/draft_states.py), and a verify step never saves a prefix
+checkpoint. No torch here.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from metrale.engine.kv_cache_coordinator import KVCacheCoordinator
 from metrale.engine.ngram_drafter import NgramDrafter
 from metrale.engine.request import Request, RequestStatus
+from metrale.engine.spec_cost_model import DraftLengthChooser
 from metrale.engine.spec_stats import SpecDecodeStats
 from metrale.messages.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                              SchedulerOutput)
@@ -41,19 +45,16 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, *, num_kv_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, enable_prefix_caching: bool = False,
-                 num_state_slots: int = 0, num_checkpoint_slots: int = 0, drafter: NgramDrafter | None = None):
+                 num_state_slots: int = 0, num_checkpoint_slots: int = 0, drafter: NgramDrafter | None = None,
+                 draft_length: DraftLengthChooser | None = None):
         """`num_state_slots`: per-request state slots of a model that keeps state (at least
         max_num_seqs), 0 otherwise; `num_checkpoint_slots`: the prefix cache's state checkpoints;
-        `drafter`: speculative decoding's drafter, or None."""
+        `drafter`: speculative decoding's drafter, or None; `draft_length`: the measured cost
+        model that picks each step's k (None: the drafter's k every step)."""
         if num_state_slots and num_state_slots < max_num_seqs:
             raise ValueError(f"{num_state_slots} state slots cannot hold {max_num_seqs} running sequences")
-        if drafter is not None and num_state_slots:
-            # A verify step would advance the recurrent state over rejected drafts, and nothing
-            # rolls it back yet (per-draft state slots or a recompute, docs/speculative.md).
-            raise ValueError("speculative decoding is not supported for models with per-request state "
-                             "(Gated DeltaNet / hybrid linear attention) yet: their recurrent state has no "
-                             "rollback of rejected drafts")
         self.drafter = drafter
+        self.draft_length = draft_length
         self.spec_stats = SpecDecodeStats() if drafter is not None else None
         self.kv = KVCacheCoordinator(num_kv_blocks, block_size, num_state_slots=num_state_slots,
                                      num_checkpoint_slots=num_checkpoint_slots,
@@ -134,6 +135,7 @@ class Scheduler:
         ended: list[Request] = []
         budget = self.max_num_batched_tokens
         preempted_this_step = False
+        num_drafts = self._drafts_per_request()
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -142,10 +144,12 @@ class Scheduler:
                 index += 1  # a verify step in flight: how many tokens it gives is not known yet
                 continue
             start = request.num_computed_tokens
-            drafts = self._propose(request, budget)
+            drafts = self._propose(request, budget, num_drafts)
             num_new = (1 + len(drafts) if drafts else
                        self.kv.chunk_end(request.request_id, start, min(request.num_tokens, start + budget)) - start)
             new_blocks, preempted_others = self._allocate_or_preempt(request, num_new)
+            if new_blocks is not None:
+                new_blocks += self._lookahead_blocks(request, start + num_new)
             preempted_this_step |= preempted_others
             if new_blocks is None:
                 # Nothing left to preempt but the request itself.
@@ -207,15 +211,19 @@ class Scheduler:
         self._runner_knows.add(request.request_id)
         out.new_requests.append(NewRequestData(
             request.request_id, list(request.token_ids), request.num_prompt_tokens, request.sampling_params,
-            request.seed, admission.block_table, hit.num_tokens, admission.state_slot))
+            request.seed, admission.block_table + self._lookahead_blocks(request, end), hit.num_tokens,
+            admission.state_slot))
         self._schedule(request, end - hit.num_tokens, out)
         return end - hit.num_tokens
 
     def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         out.num_scheduled_tokens[request.request_id] = num_new
-        save = self.kv.save_checkpoint(request, request.num_computed_tokens + num_new)
-        if save is not None:
-            out.state_saves.append(save)
+        # A verify step's state includes its drafts until the runner keeps the accepted one: never
+        # a checkpoint (its end, past the last known token, is never a checkpoint position anyway).
+        if not request.drafts_in_flight:
+            save = self.kv.save_checkpoint(request, request.num_computed_tokens + num_new)
+            if save is not None:
+                out.state_saves.append(save)
         self._advance(request, num_new)
 
     @staticmethod
@@ -227,21 +235,40 @@ class Scheduler:
         if request.num_computed_tokens >= request.num_tokens:
             request.add_placeholder()
 
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """Drafts for a running request at its decode position, within the budget and its limits.
-        Requests that want logprobs or follow a grammar are not drafted (a step gives them one
-        token and one TokenLogprobs / bitmask, docs/speculative.md)."""
-        if (self.drafter is None or request.num_pending
+    def _lookahead_blocks(self, request: Request, end: int) -> list[int]:
+        """A runner-side drafter that writes its cache past a step's last position (a chained MTP
+        drafter): blocks for those slots when the step reaches the sequence's end and the pool has
+        them free (never by preempting; without them the drafter proposes shorter drafts)."""
+        lookahead = getattr(self.drafter, "lookahead_tokens", 0)
+        if not lookahead or end < request.num_tokens:
+            return []
+        return self.kv.grow(request.request_id, min(end + lookahead, self.max_model_len)) or []
+
+    def _drafts_per_request(self) -> int:
+        """This step's k: the drafter's, or the cost model's pick for the step's batch, the
+        running requests and the waiting ones it may admit (0: no drafting this step)."""
+        if self.drafter is None:
+            return 0
+        if self.draft_length is None:
+            return self.drafter.k
+        return self.draft_length.choose(min(self.max_num_seqs, len(self.running) + len(self.waiting)))
+
+    def _propose(self, request: Request, budget: int, num_drafts: int) -> list[int]:
+        """Up to `num_drafts` drafts for a running request at its decode position, within the
+        budget and its limits. Requests that want logprobs or follow a grammar are not drafted (a
+        step gives them one token and one TokenLogprobs / bitmask, docs/speculative.md)."""
+        if (self.drafter is None or num_drafts <= 0 or request.num_pending
                 or request.num_computed_tokens != request.num_tokens - 1):
             return []
         params = request.sampling_params
         if params.logprobs is not None or params.structured_outputs is not None:
             return []
         # A verify step gives up to k + 1 tokens: never more than max_tokens or the context allow.
-        room = min(budget, self.max_model_len - request.num_tokens) - 1
+        room = min(budget, self.max_model_len - request.num_tokens, num_drafts + 1) - 1
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - request.num_output_tokens - 1)
-        drafts = self.drafter.propose(request.token_ids, room) if room > 0 else []
+        history = request.runner_drafts if getattr(self.drafter, "runs_in_runner", False) else request.token_ids
+        drafts = self.drafter.propose(history, room) if room > 0 else []
         # Drafts never preempt another request: without free blocks for them, a plain step.
         missing = self.kv.blocks_needed(request.num_tokens + len(drafts)) - len(self.kv.get_block_table(request.request_id))
         return drafts if missing <= self.kv.num_free_blocks else []
@@ -281,6 +308,7 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
             token = result.sampled_token_ids.get(request_id)
+            request.runner_drafts = result.draft_token_ids.get(request_id, [])
             new_tokens = [token]
             if request.drafts_in_flight:
                 new_tokens = self._apply_verification(request, result.num_accepted_drafts.get(request_id, 0), token)
@@ -306,6 +334,8 @@ class Scheduler:
         computed count back over the rejected drafts (their KV is stale from now on)."""
         drafts, request.drafts_in_flight = request.drafts_in_flight, []
         self.spec_stats.record(len(drafts), num_accepted)
+        if self.draft_length is not None:
+            self.draft_length.observe(len(drafts), num_accepted)
         if request.status == RequestStatus.RUNNING:
             request.num_computed_tokens -= len(drafts) - num_accepted  # a preempted one restarts from 0
         request.resolve_verified(drafts[:num_accepted], token)

@@ -179,6 +179,7 @@ class DraftLengthChooser:
         self._accepts = [0.0] * self.max_drafts
         self._zero_streak = 0
         self.last_choice: int | None = None
+        self.steps_per_k: dict[int, int] = {}  # how often each k was chosen (logs, tests)
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verify result: its first num_accepted of num_drafts drafts accepted."""
@@ -214,4 +215,5 @@ class DraftLengthChooser:
         else:
             self._zero_streak = 0
         self.last_choice = k
+        self.steps_per_k[k] = self.steps_per_k.get(k, 0) + 1
         return k
