@@ -190,12 +190,12 @@ def _ngram_draft_seconds(drafter, requests, repetitions: int) -> float:
     return statistics.median(times)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, llm_factory) -> dict:
+    """`llm_factory(engine_args) -> LLM`: the entry point builds the engine (bench sits below it)."""
     from metrale.config.engine_args import EngineArgs
     from metrale.config.errors import OptionError
     from metrale.engine.spec_cost_identity import provenance, setup_identity
     from metrale.engine.spec_cost_model import CostTable
-    from metrale.entrypoints.llm import LLM
     from metrale.startup.model_source import resolve_model_dir
 
     batch_sizes, draft_counts = args.batch_sizes, sorted(set(args.draft_counts) | {0})
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> dict:
     model_dir = resolve_model_dir(engine_args.model, engine_args.load_format)
     if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         engine_args.skip_tokenizer_init = True  # the benchmark sends token ids; a config-only model has no tokenizer
-    llm = LLM(**vars(engine_args))
+    llm = llm_factory(engine_args)
     engine = llm.llm_engine
     try:
         identity = setup_identity(engine_args, engine.model_config, engine.device, engine.runner.model, spec,

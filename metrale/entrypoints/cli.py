@@ -98,8 +98,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _spec_cost_table(args: argparse.Namespace) -> int:
     from metrale.bench import spec_cost_table
+    from metrale.entrypoints.llm import LLM
 
-    spec_cost_table.run(args)
+    spec_cost_table.run(args, lambda engine_args: LLM(**vars(engine_args)))
     return 0
 
 
