@@ -153,17 +153,21 @@ def run_post_load_hooks(model: nn.Module) -> None:
                 hook()
 
 
-def dummy_checkpoint(hf_config, device: torch.device, dtype: torch.dtype, seed: int = 0):
+def dummy_checkpoint(hf_config, device: torch.device, dtype: torch.dtype, seed: int = 0, reference_of=None):
     """(name, tensor) pairs of a random checkpoint of this config: transformers' parameter names
     and full shapes (read from a model built on the meta device), each tensor drawn from its own
     generator seeded by the seed and its name. Loaded like a real checkpoint, every rank takes its
     shard of the same full tensors, so a split model computes what one GPU computes. Norm
-    weights are one; values are uniform in [-0.02, 0.02]."""
+    weights are one; values are uniform in [-0.02, 0.02]. `reference_of(hf_config)`: the
+    checkpoint's names and shapes ({name: tensor}, built under the meta device) where
+    AutoModelForCausalLM has no model for the config (a model class's `dummy_reference`, e.g.
+    GLM-5.3's)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        reference = AutoModelForCausalLM.from_config(hf_config)
-    for name, shaped in reference.state_dict().items():
+        shapes = (reference_of(hf_config) if reference_of is not None
+                  else AutoModelForCausalLM.from_config(hf_config).state_dict())
+    for name, shaped in shapes.items():
         module = name.rsplit(".", 1)[0]
         if module.endswith("norm"):
             yield name, torch.ones(shaped.shape, dtype=dtype, device=device)
@@ -177,4 +181,5 @@ def init_dummy_weights(model: nn.Module, hf_config, seed: int = 0) -> None:
     """Random weights of the right shapes and dtypes, drawn on the model's own device from
     `dummy_checkpoint`. For benchmarks: they cost the same time as real weights."""
     param = model.model.embed_tokens.weight if hasattr(model, "model") else next(model.parameters())
-    load_weights(model, dummy_checkpoint(hf_config, param.device, param.dtype, seed), quantize_unquantized=True)
+    weights = dummy_checkpoint(hf_config, param.device, param.dtype, seed, getattr(model, "dummy_reference", None))
+    load_weights(model, weights, quantize_unquantized=True)

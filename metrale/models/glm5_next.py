@@ -181,6 +181,25 @@ class Glm5NextForCausalLM(nn.Module):
         if getattr(hf, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)
 
+    @staticmethod
+    def dummy_reference(hf_config) -> dict[str, torch.Tensor]:
+        """The checkpoint names and shapes `--load-format dummy` draws (loader/weights.py): those
+        of transformers' multimodal wrapper around this text config (it has no causal-LM class for
+        it; a one-block vision tower, which the loader skips), with the KDA conv weight split back
+        into q/k/v_conv1d as the checkpoints store it."""
+        from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+        vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=hf_config.hidden_size)
+        model = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=hf_config.to_dict(), vision_config=vision))
+        shapes = {}
+        for name, tensor in model.state_dict().items():
+            if not name.endswith(".self_attn.conv1d.weight"):
+                shapes[name] = tensor
+                continue
+            for part, piece in zip("qkv", tensor.chunk(3)):
+                shapes[name.replace(".conv1d.", f".{part}_conv1d.")] = piece
+        return shapes
+
     @property
     def tied_embeddings(self) -> bool:
         return self.lm_head.weight is self.model.embed_tokens.weight

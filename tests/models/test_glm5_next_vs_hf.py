@@ -154,3 +154,26 @@ def test_vision_weights_are_skipped_and_the_text_config_read(glm5_next_checkpoin
 def test_options_met_does_not_run_are_refused_by_name(glm5_next_checkpoint, override, named):
     with pytest.raises(ModelLoadError, match=f"config options met does not implement: .*{named}".replace("[", r"\[")):
         LLM(glm5_next_checkpoint(MAIN), device="cpu", hf_overrides=override)
+
+
+def test_memory_plan_of_the_shipped_config():
+    """metrale/model_configs/GLM-5.3 (transformers' Glm5NextConfig defaults) cut to 8 layers: KDA
+    0-2 and 4-6, MLA 3 and 7. Per token and MLA layer: the 512-value latent (no rope part) and
+    the indexer's key and gate logits, 2 x 128, in bfloat16; per request and KDA layer: the conv
+    state (3 x 3 x 64 x 128, bfloat16) and the float32 recurrent state (64 x 128 x 128)."""
+    from metrale.startup.model_source import SHIPPED_CONFIGS
+
+    path = f"{SHIPPED_CONFIGS}/GLM-5.3"
+    args = EngineArgs(model=path, load_format="dummy", max_model_len=32768, hf_overrides={"num_hidden_layers": 8})
+    config = load_model_config(path, args.dtype, torch.device("cuda"), args.max_model_len, supported_architectures(),
+                               args.config_overrides)
+    plan = plan_memory(args, config, torch.device("cuda"), 141 * 2**30)
+    assert plan.kv_bytes_per_token == 2 * (512 * 2 + 2 * 128 * 2)
+    assert "kda: 6 layer(s) 0-2,4-6, conv (3, 24576) bfloat16, recurrent (64, 128, 128) float32" in plan.table()
+
+
+def test_dummy_weights_load_and_generate(glm5_next_checkpoint):
+    """--load-format dummy draws transformers' in-memory names (attn_hc.fn, forget_gate.*, the
+    concatenated conv1d, stacked experts), which load as the checkpoint's names do."""
+    llm, tokens = generate(glm5_next_checkpoint(MAIN), load_format="dummy")
+    assert all(len(t) == 12 for t in tokens)
