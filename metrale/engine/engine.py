@@ -64,7 +64,8 @@ class LLMEngine:
                                    enable_prefix_caching=args.enable_prefix_caching,
                                    num_state_slots=parts.plan.max_num_seqs if parts.plan.state_bytes_per_slot else 0,
                                    num_checkpoint_slots=parts.plan.num_checkpoint_slots,
-                                   drafter=self._drafter(args), draft_length=self._draft_length(args, parts.max_num_seqs))
+                                   drafter=self._drafter(args),
+                                   draft_length=self._draft_length(args, parts.max_num_seqs))
         self.outputs = OutputProcessor(self.tokenizer)
         # The launched step whose result is not applied yet (asynchronous scheduling only).
         self._inflight = None
