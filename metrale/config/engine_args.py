@@ -151,8 +151,8 @@ class EngineArgs:
                                                 "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                                                 "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' "
                                                 "(docs/speculative.md)", parse=str)
-    speculative: bool = option(False, "Draft with the model's own MTP / next-n layers (not built yet: refused; "
-                                      "use --speculative-config with method ngram)")
+    speculative: bool = option(False, "Draft with the model's own MTP / next-n layers: speculative_config "
+                                      "'{\"method\": \"mtp\"}', k from --num-drafts (default 1)")
     num_drafts: int | None = option(None, "Tokens a drafter proposes per step (speculative_config's "
                                           "num_speculative_tokens when that leaves it out)")
     spec_cost_model: str | None = option(None, "How many drafts a step verifies: static: num_speculative_tokens "
@@ -198,9 +198,10 @@ class EngineArgs:
                              f"quantization_config)")
         self.config_overrides  # validates
         if self.speculative:
-            raise ValueError("--speculative drafts with the model's MTP / next-n layers, which met does not run "
-                             "yet; --speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
-                             "drafts by prompt lookup (docs/speculative.md)")
+            if self.speculative_config:
+                raise ValueError("--speculative drafts with the model's MTP layers (speculative_config "
+                                 "'{\"method\": \"mtp\"}'); do not give --speculative-config too")
+            self.speculative_config = {"method": "mtp"}
         self.speculative_decoding  # validates
         if not self.structured_outputs_timeout > 0:
             raise ValueError(f"structured_outputs_timeout must be > 0, got {self.structured_outputs_timeout}")

@@ -1,7 +1,7 @@
 """SpeculativeConfig: which drafter proposes tokens, and how many, named as vLLM names them.
 
 Given as `speculative_config={...}` to `LLM(...)` or `--speculative-config JSON` on the command
-line. Only the n-gram drafter (prompt lookup) is built; every other method vLLM or the reference
+line. The methods in BUILT_METHODS are built; every other method vLLM or the reference
 system knows is refused by name, so a configuration never silently runs without the drafter it
 asked for.
 """
@@ -12,9 +12,13 @@ import json
 from dataclasses import dataclass
 
 # Methods a user may reasonably ask for that met does not draft with yet (docs/speculative.md).
-NOT_BUILT_METHODS = ("mtp", "deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp", "dflash", "eagle", "eagle3",
-                     "medusa", "mlp_speculator", "draft_model", "suffix")
-BUILT_METHODS = ("ngram",)
+NOT_BUILT_METHODS = ("dflash", "eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "suffix")
+# Drafting with the target's own multi-token-prediction layers (executor/drafters/mtp.py).
+MTP_METHODS = ("mtp", "deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp")
+# k for MTP when neither num_speculative_tokens nor --num-drafts gives it: the published DeepSeek-V3
+# and GLM-4.5 checkpoints hold one next-n layer, trained for the token after the next.
+MTP_DEFAULT_DRAFTS = 1
+BUILT_METHODS = ("ngram",) + MTP_METHODS
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "cost_model",
          "cost_calibration")
 # static: k = num_speculative_tokens every step; measured: k per step from a calibration table
@@ -60,12 +64,14 @@ class SpeculativeConfig:
                              f"{', '.join(_KEYS)}")
         method = value.get("method")
         if method in NOT_BUILT_METHODS:
-            raise ValueError(f"speculative_config method {method!r} is not built yet; the built method is "
-                             f"'ngram' (prompt lookup) (docs/speculative.md)")
+            raise ValueError(f"speculative_config method {method!r} is not built yet; the built methods are "
+                             f"{', '.join(BUILT_METHODS)} (docs/speculative.md)")
         if method not in BUILT_METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(BUILT_METHODS)}, "
                              f"got {method!r}")
         k = value.get("num_speculative_tokens", num_drafts)
+        if k is None and method in MTP_METHODS:
+            k = MTP_DEFAULT_DRAFTS
         if num_drafts is not None and k != num_drafts:
             raise ValueError(f"num_drafts {num_drafts} and speculative_config's num_speculative_tokens {k} "
                              "disagree; give one")

@@ -48,6 +48,9 @@ class Request:
         # arrives, num_computed_tokens counts them (and one placeholder trails token_ids); the
         # result rolls it back by the number rejected.
         self.drafts_in_flight: list[int] = []
+        # A runner-side drafter's (MTP, DFlash) drafts from the request's last sampled step: its
+        # next step's drafts (engine/runner_drafts.py).
+        self.runner_drafts: list[int] = []
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -26,12 +26,15 @@ class LayerCaches:
 @dataclass(frozen=True)
 class CacheLayout:
     block_size: int
-    layers: tuple[LayerCaches, ...]  # in model order, as cached_layers(model) lists them
+    layers: tuple[LayerCaches, ...]  # in model order, as cached_layers(model) lists them, then a drafter's
 
     @classmethod
-    def of(cls, model: nn.Module, config: CacheConfig) -> "CacheLayout":
+    def of(cls, model: nn.Module, config: CacheConfig, drafter_layers=()) -> "CacheLayout":
+        """`drafter_layers`: a runner-side drafter's stateful modules (executor/drafters/base.py),
+        after the model's."""
+        layers = cached_layers(model) + list(drafter_layers)
         layout = cls(config.block_size, tuple(LayerCaches(layer.layer_index, tuple(layer.cache_specs(config)))
-                                              for layer in cached_layers(model)))
+                                              for layer in layers))
         if config.indexer_cache_dtype == "fp8" and "indexer" not in layout.kinds:
             architecture = getattr(getattr(model, "config", None), "architecture", type(model).__name__)
             raise OptionError(f"--indexer-cache-dtype fp8: {architecture} has no DSA indexer, so no indexer "

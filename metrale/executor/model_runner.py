@@ -23,6 +23,7 @@ from metrale.config.cache_config import CacheConfig
 from metrale.config.model_config import ModelConfig
 from metrale.executor.cache_layout import CacheLayout
 from metrale.executor.cache_tensors import CacheTensors
+from metrale.executor.drafters.base import DraftInputs, DraftOutput, RunnerDrafter
 from metrale.executor.rejection_sampler import verify_drafts
 from metrale.executor.sampler import SampledTokens, SamplingRow, sample_tokens
 from metrale.kernels import kernel_path
@@ -66,6 +67,12 @@ class BatchInputs:
     # Speculative decoding: the rows of logits_indices each sampled request owns (1 + k for one
     # with drafts, 1 otherwise), in sampled_request_ids' order; None without drafts in the batch.
     logits_rows: list[range] | None = None
+    # A runner-side drafter's view (executor/drafters/base.py), host side: the token after each
+    # sequence's last row where it is known (a chunk that stops short of the sequence's end), else
+    # PLACEHOLDER, and each sequence's KV room in tokens. None without a drafter.
+    chunk_next_ids: np.ndarray | None = None
+    capacity: list[int] | None = None
+    sampled_seq_index: list[int] | None = None  # each sampled request's sequence in the batch
 
 
 class PendingOutput:
@@ -73,9 +80,11 @@ class PendingOutput:
     them, writes them over the runner's placeholders, and builds the ModelRunnerOutput."""
 
     def __init__(self, runner: "ModelRunner", request_ids: list[str], positions: list[int],
-                 sampled: SampledTokens | None, verified: "VerifiedDrafts | None" = None):
+                 sampled: SampledTokens | None, verified: "VerifiedDrafts | None" = None,
+                 drafts: DraftOutput | None = None):
         self.runner, self.request_ids, self.positions, self.sampled = runner, request_ids, positions, sampled
         self.verified = verified
+        self.drafts = drafts  # a runner-side drafter's proposals for the next step, per sampled request
         self._result: ModelRunnerOutput | None = None
         self._host = self._event = None
         if sampled is not None and sampled.tokens.is_cuda:
@@ -108,6 +117,9 @@ class PendingOutput:
                 out.sampled_token_ids[request_id] = token
                 if lp is not None:
                     out.logprobs[request_id] = lp
+            if self.drafts is not None:
+                for request_id, row in zip(self.request_ids, self.drafts.token_ids.tolist()):
+                    out.draft_token_ids[request_id] = [t for t in row if t >= 0]
         self._result = out
         return out
 
@@ -124,9 +136,11 @@ class VerifiedDrafts:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, device: torch.device,
-                 cache_config: CacheConfig, backend: str = "auto", forward: str | None = None):
+                 cache_config: CacheConfig, backend: str = "auto", forward: str | None = None,
+                 drafter: RunnerDrafter | None = None):
         """`forward`: graphs, eager or reference (--forward; default: eager on CUDA, reference on
-        the CPU); reference runs every layer's PyTorch path (kernels.kernel_path)."""
+        the CPU); reference runs every layer's PyTorch path (kernels.kernel_path). `drafter`: a
+        runner-side drafter of speculative decoding (MTP, DFlash); its caches join the model's."""
         forward = forward or ("eager" if device.type == "cuda" else "reference")
         self.model = model
         self.forward_mode = forward
@@ -137,8 +151,12 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device
         self.block_size = cache_config.block_size
-        self.layers = cached_layers(model)
-        self.layout = CacheLayout.of(model, cache_config)
+        self.drafter = drafter
+        drafter_layers = drafter.cached_layers() if drafter is not None else []
+        self.layers = cached_layers(model) + drafter_layers
+        self.layout = CacheLayout.of(model, cache_config, drafter_layers)
+        if drafter is not None and drafter.hidden_layers:
+            self.model.model.output_layers = tuple(drafter.hidden_layers)  # DecoderModel keeps their outputs
         # The tokenizer's size where the checkpoint pads its vocabulary past it: padded ids are never sampled.
         self.sampled_vocab_size: int | None = None
         self.kernel_report = None  # the startup kernel audit (executor.kernel_audit.KernelReport)
@@ -297,8 +315,16 @@ class ModelRunner:
             has_initial_state=dev["has_state"], max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()), query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
             is_pure_decode=bool(query_lens.max() == 1 and starts.min() > 0))
-        return BatchInputs(dev["input_ids"], layout, dev["logits_indices"], [scheduled[i][0] for i in sampled_rows],
-                           logits_rows)
+        batch = BatchInputs(dev["input_ids"], layout, dev["logits_indices"], [scheduled[i][0] for i in sampled_rows],
+                            logits_rows)
+        if self.drafter is not None:
+            batch.chunk_next_ids = np.fromiter(
+                (st.token_ids[end] if end < len(st.token_ids) else PLACEHOLDER
+                 for (_, st, _), end in zip(scheduled, seq_lens.tolist())), dtype=np.int64, count=num_seqs)
+            batch.capacity = [len(st.block_ids) * bs for _, st, _ in scheduled]
+            batch.sampled_seq_index = list(sampled_rows)
+        return batch
+
 
     def forward(self, batch: BatchInputs) -> torch.Tensor:
         """The hidden states of every token of the batch."""
@@ -323,7 +349,9 @@ class ModelRunner:
             return PendingOutput(self, [], [], None)
         batch = self.prepare_inputs(plan)
         num_tokens = batch.input_ids.shape[0]
-        if (self.graphs is not None and batch.layout.is_pure_decode
+        hidden = None
+        # A runner-side drafter reads the step's hidden states: the graphs give only logits.
+        if (self.drafter is None and self.graphs is not None and batch.layout.is_pure_decode
                 and len(batch.sampled_request_ids) == num_tokens and self.graphs.can_run(num_tokens)):
             logits = self.graphs.run(batch.input_ids, batch.layout)
         else:
@@ -331,6 +359,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sampled_request_ids else None
         self.caches.copy_slots(plan.state_saves)  # after the forward pass that computed the states
         if logits is None:
+            if self.drafter is not None:  # a prefill chunk: the drafter fills its caches over it
+                self._draft(batch, hidden, None, None)
             return PendingOutput(self, [], [], None)
         if self.sampled_vocab_size is not None:
             logits = logits[:, :self.sampled_vocab_size].contiguous()
@@ -347,7 +377,37 @@ class ModelRunner:
             state.token_ids.append(PLACEHOLDER)
         self._last_tokens = sampled.tokens
         self._last_rows = {request_id: row for row, request_id in enumerate(batch.sampled_request_ids)}
-        return PendingOutput(self, batch.sampled_request_ids, positions, sampled, verified)
+        drafts = self._draft(batch, hidden, sampled, verified) if self.drafter is not None else None
+        return PendingOutput(self, batch.sampled_request_ids, positions, sampled, verified, drafts)
+
+    def _draft(self, batch: BatchInputs, hidden: torch.Tensor, sampled: SampledTokens | None,
+               verified: "VerifiedDrafts | None") -> DraftOutput:
+        """The runner-side drafter over this step (executor/drafters/base.py): its caches filled
+        over the step's rows, the next step's drafts of every sampled request. No host sync."""
+        ids, layout = batch.sampled_request_ids, batch.layout
+        query_start = np.cumsum([0] + layout.query_lens_cpu)
+        # The token after each row: the next input within the sequence, then what ends the chunk.
+        next_ids = torch.roll(batch.input_ids, -1)
+        known = np.flatnonzero(batch.chunk_next_ids != PLACEHOLDER)  # chunks that stop short of the end
+        if known.size:
+            next_ids[torch.from_numpy(query_start[1:][known] - 1).to(self.device)] = \
+                torch.from_numpy(batch.chunk_next_ids[known]).to(self.device)
+        num_sampled = len(ids)
+        num_accepted = torch.zeros(num_sampled, dtype=torch.int64, device=self.device)
+        first_rows = batch.logits_indices if batch.logits_rows is None else \
+            batch.logits_indices[[rows.start for rows in batch.logits_rows]]
+        if verified is not None and verified.drafts:
+            spec = [i for i, rid in enumerate(ids) if rid in verified.drafts]  # verify_drafts' order
+            num_accepted[spec] = verified.num_accepted
+        last_rows = first_rows + num_accepted
+        tokens = sampled.tokens if sampled is not None else torch.empty(0, dtype=torch.int64, device=self.device)
+        next_ids[last_rows] = tokens
+        layer_hidden = getattr(self.model.model, "layer_outputs", {}) if self.drafter.hidden_layers else {}
+        inputs = DraftInputs(layout, batch.input_ids, hidden, layer_hidden, next_ids, ids,
+                             batch.sampled_seq_index, last_rows, num_accepted, tokens, batch.capacity,
+                             self.forward_context, self.sampled_vocab_size)
+        return self.drafter.propose(inputs)
+
 
     def _sample_and_verify(self, logits: torch.Tensor, batch: BatchInputs, states: list[RunnerRequest],
                            drafts: dict[str, list[int]]) -> tuple[SampledTokens, VerifiedDrafts]:

@@ -100,3 +100,7 @@ class ModelRunnerOutput:
     # are those drafts, then its sampled token (the resampled one at the first rejection, or the
     # bonus token after the last draft).
     num_accepted_drafts: dict[str, int] = field(default_factory=dict)
+    # A runner-side drafter's (MTP, DFlash) drafts for a sampled request's next step, proposed on
+    # the device from this step's hidden states; the scheduler keeps them on the request and
+    # verifies them (cut to the room it has) in its next step.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -40,16 +40,23 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    # Layers whose outputs (the residual stream after them) a forward pass keeps in
+    # `layer_outputs` for a runner-side drafter that reads them (executor/drafters/base.py).
+    output_layers: tuple[int, ...] = ()
+
     def __init__(self, config: ModelConfig, make_layer, norm: type[nn.Module] = RMSNorm):
         super().__init__()
+        self.layer_outputs: dict[int, torch.Tensor] = {}
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_layers))
         self.norm = norm(config.hidden_size, config.hf_config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual)
+            if i in self.output_layers:
+                self.layer_outputs[i] = hidden + residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -1,5 +1,5 @@
 """Multi-token-prediction (next-n) layers of DeepSeek-V3 and GLM-4.5 checkpoints: loaded, hashed
-and kept for speculative decoding; nothing runs them yet (the drafter step comes with it).
+and run by the MTP drafter of speculative decoding (executor/drafters/mtp.py).
 
 A checkpoint of `num_hidden_layers` N carries layer i of `num_nextn_predict_layers` as
 `model.layers.{N + i}.*`:
@@ -20,9 +20,17 @@ checkpoint whose config still declares them loads as before, with no MTP. A laye
 holds in part is an error naming what is missing (the loader's check). `--load-format dummy`
 never builds them (transformers' reference model, which draws the dummy weights, has none).
 
-Caches: the MTP decoder layer's attention is marked `drafter_only` and `cached_layers` skips it,
-so the cache layout, the KV pool and the memory plan are as without MTP but for the weights'
-bytes. The drafter step brings the cache its attention needs.
+Caches: the MTP decoder layer's attention is marked `drafter_only`, so `cached_layers(model)`
+skips it: without MTP drafting the cache layout, the KV pool and the memory plan are as without
+MTP but for the weights' bytes. The MTP drafter lists those modules as its own cached layers
+(`MTPLayer.cached_layers`), and the runner adds them to the model's: then their paged caches are
+counted, allocated and bound like the trunk's.
+
+Forward (`MTPLayer.forward`), position p, as DeepSeek-V3 and vLLM compute it: the trunk's final
+hidden state h_p (after its last norm) and the embedding of the token at p + 1 give
+x = eh_proj([enorm(embed(t_{p+1})), hnorm(h_p)]); the decoder layer runs at position p over its
+own cache; its output plus the residual is the layer's hidden state (the next chained pass's h),
+and shared_head (norm, then the head) gives the logits of the token at p + 2.
 
 Hash: sha256 over the MTP tensors as stored, in name order, each its name (UTF-8) then its raw
 bytes read from the safetensors file (FP8 scales included). Computed once the weights are in
@@ -37,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
+import torch
 from torch import nn
 
 from metrale.config.model_config import ModelConfig
@@ -101,8 +110,8 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(nn.Module):
-    """One next-n layer's weights. Not run yet: the drafter step (speculative decoding) will
-    compute block(eh_proj([enorm(embed(next token)), hnorm(hidden)])) and shared_head on it."""
+    """One next-n layer: block(eh_proj([enorm(embed(next token)), hnorm(hidden)])), then
+    shared_head (the module docstring)."""
 
     def __init__(self, config: ModelConfig, block: nn.Module, norm: type[nn.Module], own_embedding: bool,
                  own_head: bool):
@@ -118,8 +127,24 @@ class MTPLayer(nn.Module):
             if hasattr(module, "cache_specs"):
                 module.drafter_only = True  # cached_layers skips it: no cache until the drafter runs
 
-    def forward(self, *args, **kwargs):
-        raise NotImplementedError("the MTP drafter step comes with speculative decoding")
+    def cached_layers(self) -> list:
+        """Its decoder layer's stateful modules (attention, a DSA indexer), in order."""
+        return [m for m in self.block.modules() if hasattr(m, "cache_specs")]
+
+    def forward(self, positions: torch.Tensor, next_token_ids: torch.Tensor, hidden: torch.Tensor,
+                embed_tokens: nn.Module) -> torch.Tensor:
+        """The layer's hidden state at each row: `hidden` is the trunk's (or the previous chained
+        pass's) at the row's position, `next_token_ids` the token after it. `embed_tokens`: the
+        model's, used when the layer stores none. Runs inside a forward context."""
+        embedding = (self.embed_tokens if self.embed_tokens is not None else embed_tokens)(next_token_ids)
+        x = self.eh_proj(torch.cat([self.enorm(embedding), self.hnorm(hidden)], dim=-1))
+        out, residual = self.block(positions, x, None)
+        return out + residual
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """shared_head: its norm, then its head (the model's `lm_head` when it stores none)."""
+        head = self.shared_head.head if self.shared_head.head is not None else lm_head
+        return head.compute_logits(self.shared_head.norm(hidden))
 
 
 def attach_mtp_layers(model: nn.Module, config: ModelConfig) -> None:

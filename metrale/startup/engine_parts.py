@@ -15,6 +15,7 @@ from metrale.config.model_config import ModelConfig
 from metrale.distributed.gather import gather_dicts
 from metrale.distributed.launch import ParallelRuntime
 from metrale.engine.engine import LLMEngine
+from metrale.executor.drafters import build_drafter
 from metrale.executor.kernel_audit import build_error, kernel_audit, run_audited
 from metrale.executor.kernel_warmup import warm_up_steps
 from metrale.executor.memory_plan import MemoryPlan, fit_kv_blocks, rank_memory
@@ -138,7 +139,9 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
         backend = "torch"
     elif forward == "eager" and device.type == "cpu" and backend == "auto":  # the interpreter (checks)
         backend = "kernels"  # Triton for every kind that has it
-    runner = ModelRunner(model, config, device, CacheConfig.from_args(args, config.dtype), backend, forward=forward)
+    drafter = build_drafter(args.speculative_decoding, model, config.max_model_len, args.block_size)
+    runner = ModelRunner(model, config, device, CacheConfig.from_args(args, config.dtype), backend, forward=forward,
+                         drafter=drafter)
     runner.sampled_vocab_size = sampled_vocab_size(config, tokenizer)
     if tokenizer is not None:  # every rank: each compiles the grammars of the requests it samples
         runner.attach_grammars(GrammarCache(tokenizer, runner.sampled_vocab_size or config.vocab_size,

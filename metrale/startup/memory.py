@@ -13,6 +13,7 @@ from metrale.config.engine_args import EngineArgs
 from metrale.config.model_config import ModelConfig
 from metrale.distributed.launch import ParallelRuntime
 from metrale.executor.cache_layout import CacheLayout
+from metrale.executor.drafters import drafter_cached_layers
 from metrale.executor.memory_plan import (CPU_DEFAULT_KV_BYTES, CUDA_RUNTIME_OVERHEAD_BYTES, MemoryPlan,
                                           MemoryPlanError, estimate_activation_bytes, finish_plan,
                                           fit_kv_blocks, parameter_bytes)
@@ -43,7 +44,9 @@ def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
     activations."""
     meta_model = build_meta_model(config, args.load_format)
     apply_lm_head_dtype(meta_model, args)  # its bytes count as they will be
-    layout = CacheLayout.of(meta_model, CacheConfig.from_args(args, config.dtype))
+    # A runner-side drafter's caches (MTP's layer) count like the trunk's.
+    layout = CacheLayout.of(meta_model, CacheConfig.from_args(args, config.dtype),
+                            drafter_cached_layers(args.speculative_decoding, meta_model))
     activation = estimate_activation_bytes(config.hf_config, config.dtype, args.step_token_budget(device.type),
                                            1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs),
                                            config.vocab_size)

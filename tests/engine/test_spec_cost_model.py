@@ -134,8 +134,7 @@ def _broken(change):
     (_broken(lambda d: d["verify_s"][0].__setitem__(0, 0.0)), "a plain step"),
 ])
 def test_a_malformed_table_is_refused_by_name(data, message):
-    pattern = "spec-cost calibration t.json is malformed: .*" + message.replace("[", r"\[")
-    with pytest.raises(OptionError, match=pattern):
+    with pytest.raises(OptionError, match="spec-cost calibration t.json is malformed: .*" + message.replace("[", r"\[")):
         CostTable.from_json(data, "t.json")
 
 

@@ -189,7 +189,6 @@ def test_ngram_drafter():
 
 @pytest.mark.parametrize("value, message", [
     ("{not json", "JSON object"),
-    ({"method": "mtp", "num_speculative_tokens": 2}, "'mtp' is not built yet"),
     ({"method": "dflash", "num_speculative_tokens": 2}, "'dflash' is not built yet"),
     ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' is not built yet"),
     ({"method": "nope", "num_speculative_tokens": 2}, "must be one of"),
@@ -211,7 +210,11 @@ def test_speculative_config_from_the_command_line_and_num_drafts():
     args = EngineArgs.from_cli_args(parser.parse_args(
         ["--speculative-config", '{"method": "ngram", "prompt_lookup_max": 4}', "--num-drafts", "5"]))
     assert args.speculative_decoding == SpeculativeConfig("ngram", 5, 4, 4)
-    with pytest.raises(OptionError, match="does not run yet"):
-        EngineArgs.from_kwargs(speculative=True)
+    # --speculative: the model's MTP layers, one draft unless --num-drafts says otherwise.
+    assert EngineArgs.from_kwargs(speculative=True).speculative_decoding.method == "mtp"
+    assert EngineArgs.from_kwargs(speculative=True).speculative_decoding.num_speculative_tokens == 1
+    assert EngineArgs.from_kwargs(speculative=True, num_drafts=2).speculative_decoding.num_speculative_tokens == 2
+    with pytest.raises(OptionError, match="do not give --speculative-config too"):
+        EngineArgs.from_kwargs(speculative=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(OptionError, match="no drafter is configured"):
         EngineArgs.from_kwargs(num_drafts=3)

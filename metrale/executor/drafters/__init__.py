@@ -1,0 +1,46 @@
+"""Runner-side drafters of speculative decoding (base.py states the contract): built at startup
+from the SpeculativeConfig and the loaded target model."""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.config.speculative_config import MTP_METHODS, SpeculativeConfig
+from metrale.executor.drafters.base import RunnerDrafter
+
+
+def runs_in_runner(spec: SpeculativeConfig | None) -> bool:
+    return spec is not None and (spec.method in MTP_METHODS or spec.method == "dflash")
+
+
+def build_drafter(spec: SpeculativeConfig | None, model: torch.nn.Module, max_model_len: int,
+                  block_size: int) -> RunnerDrafter | None:
+    """The runner-side drafter `spec` asks for, over the loaded `model`; None for none or n-gram
+    (the scheduler's)."""
+    if not runs_in_runner(spec):
+        return None
+    if spec.method == "dflash":
+        from metrale.executor.drafters.dflash import DFlashDrafter
+
+        return DFlashDrafter(model, spec.model, spec.num_speculative_tokens)
+    from metrale.executor.drafters.mtp import MTPDrafter
+
+    return MTPDrafter(model, spec.num_speculative_tokens, max_model_len, block_size)
+
+
+def drafter_cached_layers(spec: SpeculativeConfig | None, model: torch.nn.Module) -> list:
+    """The stateful modules the drafter `spec` asks for will own, from a (meta-device) build of
+    the model: the memory plan counts their caches before the weights load."""
+    if not runs_in_runner(spec):
+        return []
+    if spec.method == "dflash":
+        from metrale.executor.drafters.dflash import dflash_cached_layers
+
+        return dflash_cached_layers(model, spec.model, spec.num_speculative_tokens)
+    if not getattr(model, "mtp", None):
+        architecture = getattr(getattr(model, "config", None), "architecture", type(model).__name__)
+        raise ValueError(f"speculative_config method {spec.method!r} (--speculative) drafts with the model's "
+                         f"multi-token-prediction layers, and this {architecture} checkpoint holds none "
+                         "(num_nextn_predict_layers 0, the layers stripped, or --load-format dummy); "
+                         "method 'ngram' drafts by prompt lookup")
+    return model.mtp[0].cached_layers()
