@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 from dataclasses import dataclass, field
 
 from metrale.config.errors import OptionError
+
+logger = logging.getLogger(__name__)
 
 TABLE_FORMAT = "met-spec-cost-table/1"
 # The identity keys a table must match to be used; anything else it records is provenance.
@@ -178,6 +181,7 @@ class DraftLengthChooser:
         self._trials = [0.0] * self.max_drafts
         self._accepts = [0.0] * self.max_drafts
         self._zero_streak = 0
+        self._warned_beyond = False
         self.last_choice: int | None = None
         self.steps_per_k: dict[int, int] = {}  # how often each k was chosen (logs, tests)
 
@@ -206,6 +210,11 @@ class DraftLengthChooser:
 
     def choose(self, batch_size: int) -> int:
         """The number of drafts per request for a step of `batch_size` decoding requests."""
+        if batch_size > self.table.batch_sizes[-1] and not self._warned_beyond:
+            self._warned_beyond = True
+            logger.warning("speculative decoding: batch %d is beyond the spec-cost table's largest measured batch "
+                           "%d; that batch's step times decide k (measure larger batches with "
+                           "--batch-sizes)", batch_size, self.table.batch_sizes[-1])
         k = self.best(batch_size, self.acceptance())
         if k == 0 and self.best(batch_size, [self.prior] * self.max_drafts) > 0:
             self._zero_streak += 1

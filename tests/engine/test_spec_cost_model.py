@@ -42,7 +42,7 @@ def test_expected_tokens():
     assert expected_tokens([1.0] * 4, 4) == 5.0
 
 
-def test_drafting_pays_at_batch_1_and_not_at_large_batch():
+def test_drafting_pays_at_batch_1_and_not_at_large_batch(caplog):
     c = chooser()
     assert c.acceptance() == [0.6] * 8  # the prior
     k1 = c.choose(1)
@@ -50,6 +50,8 @@ def test_drafting_pays_at_batch_1_and_not_at_large_batch():
     assert c.choose(256) == 0  # each draft costs a whole plain step: E(k) / (1 + k) < 1
     assert 0 < c.choose(16) < k1  # in between, fewer drafts
     assert c.steps_per_k[0] == 1 and c.last_choice == c.choose(16)
+    assert c.choose(1000) == 0  # clipped to the largest measured batch, and said once
+    assert "batch 1000 is beyond the spec-cost table's largest measured batch 256" in caplog.text
 
 
 def test_acceptance_moves_the_choice():
@@ -134,7 +136,8 @@ def _broken(change):
     (_broken(lambda d: d["verify_s"][0].__setitem__(0, 0.0)), "a plain step"),
 ])
 def test_a_malformed_table_is_refused_by_name(data, message):
-    with pytest.raises(OptionError, match="spec-cost calibration t.json is malformed: .*" + message.replace("[", r"\[")):
+    pattern = "spec-cost calibration t.json is malformed: .*" + message.replace("[", r"\[")
+    with pytest.raises(OptionError, match=pattern):
         CostTable.from_json(data, "t.json")
 
 
