@@ -27,10 +27,12 @@ def make_dflash_target(path: str, family: str = "qwen3") -> str:
 
 
 def make_dflash_drafter(path: str, target_dir: str, seed: int = 1, num_layers: int = 2, block_size: int = BLOCK_SIZE,
-                        layer_ids=LAYER_IDS, mask_token_id: int = MASK_TOKEN_ID, **overrides) -> str:
+                        layer_ids=LAYER_IDS, mask_token_id: int = MASK_TOKEN_ID, silent: bool = False,
+                        **overrides) -> str:
     """A random drafter for the target checkpoint in `target_dir` (its hidden size and vocabulary
     unless `overrides` change them). Weights are drawn with a wide range so that its drafts are not
-    near-ties."""
+    near-ties. `silent`: every layer's o_proj and down_proj zero and the norms one, so each draft
+    is the LM head's argmax over the normed mask-token embedding (`constant_draft_mask`)."""
     from safetensors.torch import save_file
 
     with open(os.path.join(target_dir, "config.json")) as f:
@@ -70,8 +72,23 @@ def make_dflash_drafter(path: str, target_dir: str, seed: int = 1, num_layers: i
             p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
             p + "mlp.down_proj.weight": rand(hidden, inter, scale=0.2),
             p + "input_layernorm.weight": norm(hidden), p + "post_attention_layernorm.weight": norm(hidden)})
+    if silent:
+        for name in weights:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                weights[name] = torch.zeros_like(weights[name])
+            elif "norm" in name:
+                weights[name] = torch.ones_like(weights[name])
     save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, "model.safetensors"))
     return path
+
+
+def constant_draft_mask(target_model, token: int) -> int | None:
+    """A mask token id whose silent drafter (above) drafts `token` at every position, or None."""
+    embed, head = target_model.get_input_embeddings().weight, target_model.get_output_embeddings().weight
+    with torch.no_grad():
+        drafts = (_rms(embed, torch.ones(embed.shape[1])) @ head.T).argmax(-1)
+    found = (drafts == token).nonzero().flatten().tolist()
+    return found[0] if found else None
 
 
 # -- the reference forward ---------------------------------------------------------------------

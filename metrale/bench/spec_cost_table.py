@@ -220,8 +220,14 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
                                     args.repetitions)
     finally:
         llm.close() if hasattr(llm, "close") else engine.shutdown()
+    runner = engine.runner
     recorded = {**provenance(engine_args), "context_len": args.context_len, "warmup": args.warmup,
                 "repetitions": args.repetitions, "async_scheduling": engine.async_scheduling,
+                # The graphs a step replays follow from these (verify graphs hold 1 + k rows per
+                # sequence for k = num_speculative_tokens, batches up to max_num_seqs rows in all).
+                "num_speculative_tokens": spec_k(engine_args), "max_num_seqs": engine.scheduler.max_num_seqs,
+                "decode_graphs": getattr(runner, "graphs", None) is not None,
+                "verify_graphs": getattr(runner, "verify_graphs", None) is not None,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     table = CostTable(tuple(batch_sizes), tuple(draft_counts), tuple(map(tuple, verify_s)),
                       tuple(map(tuple, draft_s)), identity, recorded)
@@ -232,6 +238,10 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
     _print_batch1(table)
     print(f"wrote {args.output}; serve with --spec-cost-model measured --spec-cost-calibration {args.output}")
     return data
+
+
+def spec_k(engine_args) -> int:
+    return engine_args.speculative_decoding.num_speculative_tokens
 
 
 def _print_batch1(table) -> None:

@@ -64,7 +64,8 @@ class LLMEngine:
                                    enable_prefix_caching=args.enable_prefix_caching,
                                    num_state_slots=parts.plan.max_num_seqs if parts.plan.state_bytes_per_slot else 0,
                                    num_checkpoint_slots=parts.plan.num_checkpoint_slots,
-                                   drafter=self._drafter(args), draft_length=self._draft_length(args))
+                                   drafter=self._drafter(args),
+                                   draft_length=self._draft_length(args, parts.max_num_seqs))
         self.outputs = OutputProcessor(self.tokenizer)
         # The launched step whose result is not applied yet (asynchronous scheduling only).
         self._inflight = None
@@ -87,7 +88,7 @@ class LLMEngine:
                     spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
-    def _draft_length(self, args: EngineArgs) -> DraftLengthChooser | None:
+    def _draft_length(self, args: EngineArgs, max_num_seqs: int) -> DraftLengthChooser | None:
         """--spec-cost-model measured: the chooser of each step's k over the calibration table,
         once the table is checked to be this drafter's, this target's and this device's."""
         spec = args.speculative_decoding
@@ -103,6 +104,13 @@ class LLMEngine:
         except Exception:
             self.executor.shutdown()  # the worker ranks, started already, would outlive the refusal
             raise
+        for name, ours in (("num_speculative_tokens", spec.num_speculative_tokens),
+                           ("max_num_seqs", max_num_seqs)):
+            theirs = table.recorded.get(name)
+            if theirs is not None and theirs != ours:
+                # The CUDA graphs a step replays follow from these: the times may not be this engine's.
+                logger.warning("the spec-cost table %s was measured with %s %s, this engine runs %s: its step "
+                               "times may not be this engine's", spec.cost_calibration, name, theirs, ours)
         logger.info("speculative decoding: k per step from the measured cost table %s (batch sizes %d..%d, "
                     "k in %s)", spec.cost_calibration, table.batch_sizes[0], table.batch_sizes[-1],
                     list(table.num_drafts))

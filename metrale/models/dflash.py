@@ -46,11 +46,14 @@ KIND = "attention"  # the drafter's context K/V share the target's block tables
 @dataclass
 class DraftBlocks:
     """One draft pass: `num_blocks` requests, each `block_size` query rows (request i's rows
-    i * block_size .. (i + 1) * block_size - 1), its block at positions context_lens[i] onwards."""
+    i * block_size .. (i + 1) * block_size - 1), its block at positions context_lens[i] onwards.
+    `context_bounds` (host ints, each >= context_lens[i]) say how much of the cache to gather;
+    the keys from context_lens[i] up are masked, so the lengths themselves stay on the device."""
 
     positions: torch.Tensor  # [num_blocks * block_size]
     block_tables: torch.Tensor  # [num_blocks, width] int32: the requests' KV blocks
-    context_lens: list[int]  # positions of context each block reads (its first position)
+    context_lens: torch.Tensor  # [num_blocks] int64: positions of context each block reads (its first position)
+    context_bounds: list[int]
     block_size: int
 
 
@@ -101,13 +104,15 @@ class DFlashAttention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         out = torch.empty_like(q)
         n = blocks.block_size
-        for i, context_len in enumerate(blocks.context_lens):
+        block_keys = torch.ones(n, dtype=torch.bool, device=q.device)
+        for i, bound in enumerate(blocks.context_bounds):
             rows = slice(i * n, (i + 1) * n)
-            keys = torch.cat([gather_context(k_cache, blocks.block_tables[i], context_len).to(q.dtype), k[rows]])
-            values = torch.cat([gather_context(v_cache, blocks.block_tables[i], context_len).to(q.dtype), v[rows]])
-            keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, context + block, d]
+            keys = torch.cat([gather_context(k_cache, blocks.block_tables[i], bound).to(q.dtype), k[rows]])
+            values = torch.cat([gather_context(v_cache, blocks.block_tables[i], bound).to(q.dtype), v[rows]])
+            keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, bound + block, d]
             values = values.transpose(0, 1).repeat_interleave(group, dim=0)
-            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), keys, values, scale=self.scale)
+            seen = torch.cat([torch.arange(bound, device=q.device) < blocks.context_lens[i], block_keys])
+            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), keys, values, attn_mask=seen, scale=self.scale)
             out[rows] = o.transpose(0, 1)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -168,11 +173,12 @@ class DFlashDraftModel(nn.Module):
         return hidden
 
     def draft(self, first_tokens: torch.Tensor, blocks: DraftBlocks, embed_tokens: nn.Module, lm_head: nn.Module,
-              num_drafts: int) -> torch.Tensor:
+              num_drafts: int, vocab_size: int | None = None) -> torch.Tensor:
         """[num_blocks, num_drafts] greedy drafts: each block is its request's last sampled token
         (`first_tokens`, on the device) and block_size - 1 mask tokens; draft j is the argmax at
-        block row j + 1. The whole block is always run (its rows see each other, so a shorter
-        block would draft other tokens than the drafter was trained to)."""
+        block row j + 1, over ids below `vocab_size` (None: all). The whole block is always run
+        (its rows see each other, so a shorter block would draft other tokens than the drafter
+        was trained to)."""
         n = blocks.block_size
         if not 1 <= num_drafts <= n - 1:
             raise ValueError(f"a DFlash block of {n} drafts 1..{n - 1} tokens, not {num_drafts}")
@@ -181,4 +187,6 @@ class DFlashDraftModel(nn.Module):
         ids[:, 0] = first_tokens
         hidden = self(embed_tokens(ids.reshape(-1)), blocks).reshape(-1, n, self.dflash_config.hidden_size)
         logits = lm_head.compute_logits(hidden[:, 1:num_drafts + 1].reshape(-1, hidden.shape[-1]))
+        if vocab_size is not None:
+            logits = logits[:, :vocab_size]
         return logits.argmax(dim=-1).reshape(-1, num_drafts)

@@ -59,6 +59,7 @@ def test_the_benchmark_writes_a_table_of_real_steps(measured):
     assert table.identity["target"]["architecture"] == "LlamaForCausalLM"
     assert table.identity["target"]["dtype"] == "float32" and table.identity["device"] == "cpu"
     assert {"torch", "triton", "commit", "repetitions", "context_len"} <= set(table.recorded)
+    assert table.recorded["num_speculative_tokens"] == 2 and table.recorded["verify_graphs"] is False  # CPU
 
 
 def test_measured_greedy_equals_plain_and_drafts_where_it_pays(measured, tmp_path):

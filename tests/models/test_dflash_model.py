@@ -62,7 +62,11 @@ def test_drafts_equal_the_reference(dirs):
         slots = table[positions // CACHE_BLOCK].long() * CACHE_BLOCK + positions % CACHE_BLOCK
         for chunk in (slice(0, n // 2), slice(n // 2, n)):  # written in two steps, as chunked prefill does
             model.write_context(features[chunk], positions[chunk], slots[chunk])
-        blocks = DraftBlocks(torch.arange(n, n + BLOCK_SIZE), table[None], [n], BLOCK_SIZE)
+        # Rows past the context (a verify step's rejected drafts) hold other K/V: masked out.
+        stale = torch.arange(n, n + 3)
+        model.write_context(torch.randn(3, features.shape[1]), stale,
+                            table[stale // CACHE_BLOCK].long() * CACHE_BLOCK + stale % CACHE_BLOCK)
+        blocks = DraftBlocks(torch.arange(n, n + BLOCK_SIZE), table[None], torch.tensor([n]), [n + 3], BLOCK_SIZE)
         for k in (1, BLOCK_SIZE - 1):
             drafts = model.draft(torch.tensor([tokens[-1]]), blocks, embed, head, k)
             assert drafts[0].tolist() == reference_drafts(drafter_dir, reference, features[:n], tokens[-1], k)
@@ -84,11 +88,11 @@ def test_batched_blocks_equal_single_ones(dirs):
         positions = torch.arange(n)
         slots = tables[row][positions // CACHE_BLOCK].long() * CACHE_BLOCK + positions % CACHE_BLOCK
         model.write_context(target_features(reference, tokens)[:n], positions, slots)
-        blocks = DraftBlocks(torch.arange(n, n + BLOCK_SIZE), tables[row:row + 1], [n], BLOCK_SIZE)
+        blocks = DraftBlocks(torch.arange(n, n + BLOCK_SIZE), tables[row:row + 1], torch.tensor([n]), [n], BLOCK_SIZE)
         singles.append(model.draft(torch.tensor([tokens[-1]]), blocks, embed, head, 3)[0].tolist())
     lens = [len(t) - 1 for t in prompts]
     positions = torch.cat([torch.arange(n, n + BLOCK_SIZE) for n in lens])
-    batched = model.draft(torch.tensor([t[-1] for t in prompts]), DraftBlocks(positions, tables, lens, BLOCK_SIZE),
+    batched = model.draft(torch.tensor([t[-1] for t in prompts]), DraftBlocks(positions, tables, torch.tensor(lens), lens, BLOCK_SIZE),
                           embed, head, 3)
     assert batched.tolist() == singles
 

@@ -177,3 +177,13 @@ def test_dummy_weights_load_and_generate(glm5_next_checkpoint):
     concatenated conv1d, stacked experts), which load as the checkpoint's names do."""
     llm, tokens = generate(glm5_next_checkpoint(MAIN), load_format="dummy")
     assert all(len(t) == 12 for t in tokens)
+
+
+def test_the_triton_mla_backend_refuses_mla_without_rope(glm5_next_checkpoint):
+    """Its kernels assume a rope part (GPU default: --attention-backend auto takes it on CUDA)."""
+    from metrale.layers.mla.triton_backend import TritonMLABackend
+
+    llm = LLM(glm5_next_checkpoint(MAIN), dtype="float32", device="cpu")
+    llm.llm_engine.runner.backends["mla"] = TritonMLABackend()
+    with pytest.raises(NotImplementedError, match="MLA without RoPE .* run with --attention-backend torch"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)

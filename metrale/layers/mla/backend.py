@@ -55,6 +55,9 @@ class LatentUpProjection:
 
 class MLABackend(CacheBackend):
     kind = "mla"
+    # Whether it runs MLA without RoPE (qk_rope_head_dim 0, GLM-5.3): cache entries of the latent
+    # alone. The Triton kernels assume a rope part; the reference does not.
+    supports_nope = False
 
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         return AttentionMetadata.of(layout)

@@ -203,6 +203,9 @@ class MLAAttention(nn.Module):
         d = self.dims
         ctx = get_forward_context()
         backend, metadata = ctx.backends[KIND], ctx.metadata[KIND]
+        if not d.qk_rope_head_dim and not backend.supports_nope:
+            raise NotImplementedError(f"MLA without RoPE (qk_rope_head_dim 0, GLM-5.3) has no {backend.name} kernels "
+                                      f"yet; run with --attention-backend torch")
         q_resid = None if d.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden))
         q = (self.q_proj(hidden) if q_resid is None else self.q_b_proj(q_resid)).view(-1, self.num_heads, d.qk_head_dim)
         q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)

@@ -79,6 +79,7 @@ def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.
 @register_backend
 class TorchMLABackend(MLABackend):
     name = "torch"
+    supports_nope = True
 
     def write_latent(self, kv_c, k_pe, cache, slot_mapping, latent_scale: float = 1.0) -> None:
         write_latent_reference(kv_c, k_pe, cache, slot_mapping, latent_scale)

@@ -1,0 +1,189 @@
+"""Speculative decoding with a tiny random DFlash drafter (tests/dflash_checkpoints.py), end to end:
+greedy tokens identical to transformers' and to plain decoding, for Llama and Qwen3 targets,
+batched prompts of mixed lengths; under chunked prefill with forced preemption, prefix hits and
+tp=2 on the CPU. The drafts the runner proposes at every step equal the plain-torch reference's
+for the same accepted tokens (so the drafter's context cache is right across chunks, rejected
+rows and preemptions). A silent drafter whose drafts the target accepts shows the accept path.
+Refusals: a missing drafter directory, a mismatched hidden size / vocabulary, target layers the
+target lacks, k above the block size, keys the method does not take."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+
+import pytest
+import torch
+
+from checkpoints import load_reference, reference_greedy
+from dflash_checkpoints import (BLOCK_SIZE, constant_draft_mask, make_dflash_drafter, make_dflash_target,
+                                reference_drafts, target_features)
+from metrale import LLM, SamplingParams
+from speculative_cases import make_prompts
+
+NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+K = BLOCK_SIZE - 1
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Per family: (target dir, drafter dir, transformers' model, its greedy tokens per prompt)."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            root = tmp_path_factory.mktemp(f"dflash_{family}")
+            target = make_dflash_target(str(root / "target"), family)
+            drafter = make_dflash_drafter(str(root / "drafter"), target)
+            model = load_reference(target)
+            cache[family] = target, drafter, model, [reference_greedy(model, p, NEW_TOKENS) for p in make_prompts()]
+        return cache[family]
+
+    return get
+
+
+def engine(target: str, drafter: str | None, k: int = K, **kwargs) -> LLM:
+    spec = {"speculative_config": {"method": "dflash", "model": drafter, "num_speculative_tokens": k}} if drafter else {}
+    return LLM(target, dtype="float32", device="cpu", **spec, **kwargs)
+
+
+def generate(llm: LLM, prompts=None):
+    prompts = [{"prompt_token_ids": p} for p in (prompts or make_prompts())]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs], [o.request_id for o in outputs]
+
+
+def record_drafts(llm: LLM) -> list:
+    """Every propose call's (request id, block start position, sampled token, drafts)."""
+    drafter, calls = llm.llm_engine.runner.drafter, []
+    propose = drafter.propose
+
+    def recording(inputs):
+        out = propose(inputs)
+        starts = (inputs.layout.positions[inputs.last_rows] + 1).tolist()
+        calls.extend(zip(inputs.request_ids, starts, inputs.sampled_tokens.tolist(), out.token_ids.tolist()))
+        return out
+
+    drafter.propose = recording
+    return calls
+
+
+def assert_drafts_are_the_reference(calls, sequences: dict, drafter: str, model) -> None:
+    assert calls
+    # Causal: the target's features of a prefix are the first rows of the whole sequence's.
+    features = {rid: target_features(model, tokens) for rid, tokens in sequences.items()}
+    for request_id, start, sampled, drafts in calls:
+        tokens = sequences[request_id]
+        assert tokens[start] == sampled  # the block opens with the token the target gave at `start`
+        context = features[request_id][:start]
+        assert drafts == reference_drafts(drafter, model, context, sampled, K), (request_id, start)
+
+
+def assert_idle(llm: LLM) -> None:
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens > 0, stats
+    kv = llm.llm_engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_matches_transformers_plain_decoding_and_the_reference_drafts(family, setup):
+    target, drafter, model, expected = setup(family)
+    llm = engine(target, drafter)
+    calls = record_drafts(llm)
+    tokens, ids = generate(llm)
+    assert tokens == expected
+    assert_idle(llm)
+    sequences = {rid: p + t for rid, p, t in zip(ids, make_prompts(), tokens)}
+    assert_drafts_are_the_reference(calls, sequences, drafter, model)
+    if family == "llama":
+        assert generate(engine(target, None))[0] == expected
+    # sha256 of the drafter's tensors as stored (name order: each name, then its bytes)
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    with safe_open(f"{drafter}/model.safetensors", "pt") as f:
+        for name in sorted(f.keys()):
+            digest.update(name.encode())
+            digest.update(f.get_tensor(name).numpy().tobytes())
+    assert llm.llm_engine.runner.drafter.sha256 == digest.hexdigest()
+
+
+def test_chunked_prefill_and_preemption(setup):
+    target, drafter, model, expected = setup("qwen3")
+    # A 12-token budget chunks the long prompts beside the others' verify steps; 36 blocks of 4
+    # tokens for ~280 tokens of requests force preemptions.
+    llm = engine(target, drafter, max_num_batched_tokens=12, num_kv_blocks=36, block_size=4)
+    calls = record_drafts(llm)
+    tokens, ids = generate(llm)
+    assert tokens == expected
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    assert_idle(llm)
+    assert_drafts_are_the_reference(calls, {rid: p + t for rid, p, t in zip(ids, make_prompts(), tokens)}, drafter,
+                                    model)
+
+
+def test_prefix_hits(setup):
+    target, drafter, model, expected = setup("llama")
+    llm = engine(target, drafter, block_size=8, enable_prefix_caching=True)
+    assert generate(llm)[0] == expected
+    hits = llm.llm_engine.scheduler.kv.prefix_hits_total
+    calls = record_drafts(llm)
+    tokens, ids = generate(llm)  # the prompts again: their blocks, the drafter's context with them, are hits
+    assert tokens == expected
+    assert llm.llm_engine.scheduler.kv.prefix_hits_total > hits
+    assert_drafts_are_the_reference(calls, {rid: p + t for rid, p, t in zip(ids, make_prompts(), tokens)}, drafter,
+                                    model)
+
+
+def test_accepted_drafts(setup, tmp_path):
+    # A silent drafter drafts one token everywhere: the target's most frequent output token.
+    target, _, model, expected = setup("qwen3")
+    counts = collections.Counter(t for tokens in expected for t in tokens)
+    token, mask = next((t, m) for t, _ in counts.most_common() if (m := constant_draft_mask(model, t)) is not None)
+    drafter = make_dflash_drafter(str(tmp_path / "silent"), target, silent=True, mask_token_id=mask)
+    llm = engine(target, drafter)
+    assert generate(llm)[0] == expected
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert stats.num_accepted_tokens > 0, (token, stats)
+    assert_idle(llm)
+
+
+def test_tensor_parallel_two_ranks(setup):
+    target, drafter, _, expected = setup("qwen3")
+    llm = engine(target, drafter, tp_size=2, max_num_batched_tokens=16)
+    try:
+        assert generate(llm)[0] == expected
+        assert_idle(llm)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (dict(hidden_size=32), "hidden_size 32 does not match the target"),
+    (dict(vocab_size=500), "vocab_size 500 does not match the target"),
+    (dict(layer_ids=[0, 7]), r"target_layer_ids \[7\] are not layers 0..2"),
+])
+def test_mismatched_drafters_are_refused(setup, tmp_path, edit, message):
+    target, _, _, _ = setup("qwen3")
+    drafter = make_dflash_drafter(str(tmp_path / "bad"), target, **edit)
+    with pytest.raises(ValueError, match=message):
+        engine(target, drafter)
+
+
+def test_configuration_refusals(setup, tmp_path):
+    target, drafter, _, _ = setup("qwen3")
+    with pytest.raises(ValueError, match="does not exist"):
+        engine(target, str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match=f"num_speculative_tokens {BLOCK_SIZE} is above .* {BLOCK_SIZE - 1}"):
+        engine(target, drafter, k=BLOCK_SIZE)
+    with pytest.raises(ValueError, match="needs model"):
+        LLM(target, dtype="float32", device="cpu", speculative_config={"method": "dflash", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="unknown key"):
+        LLM(target, dtype="float32", device="cpu",
+            speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": 2, "block_size": 4})
+    with pytest.raises(ValueError, match="model is read only by dflash"):
+        LLM(target, dtype="float32", device="cpu",
+            speculative_config={"method": "ngram", "model": drafter, "num_speculative_tokens": 2})
+    assert torch.get_default_dtype() == torch.float32
