@@ -16,15 +16,22 @@ stream key (seed, output index).
   p_j (the standard speculative-sampling argument), so the output is distributed as plain
   sampling's. The accept test's uniform and the draw's noise come from the request's own streams
   (keyed by seed and output index), so a seeded request gives the same tokens alone and batched.
+  They are counter-based (kernels/rejection_sampling.counter_uniforms: a hash of the stream's key
+  and the element), so the Triton kernel draws the same numbers as this reference.
 
-This is the PyTorch reference; it runs on the logits' device with no host sync.
+`verify_drafts` is the PyTorch reference (on the logits' device, no host sync) where the kernels'
+path is the reference (CPU, `--forward reference`); elsewhere the same rule runs in the Triton
+kernel (kernels/rejection_sampling.py) after the sampler's own penalties and filters per position.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from metrale.executor.sampler import SamplingRow, _apply_penalties, _filter, stream_seed
+from metrale.kernels import use_triton
+from metrale.kernels.rejection_sampling import counter_uniforms, rejection_sample_triton
 
 # Mixed into the seed of the accept tests' stream, so it is independent of the draws' stream.
 _ACCEPT_SALT = 0x5EC0DEC0DE
@@ -37,16 +44,13 @@ def position_rows(row: SamplingRow, drafts: list[int]) -> list[SamplingRow]:
 
 
 def _streams(device, seed: int, first_index: int, count: int, vocab: int, salt: int = 0):
-    """Per-position uniforms (one each) or exponential noise (vocab each), one stream per index."""
-    out = torch.empty(count, vocab, device=device) if vocab else torch.empty(count, device=device)
-    for j in range(count):
-        generator = torch.Generator(device=device)
-        generator.manual_seed(stream_seed(seed ^ salt, first_index + j))
-        if vocab:
-            out[j].exponential_(generator=generator)
-        else:
-            out[j:j + 1].uniform_(generator=generator)
-    return out
+    """Per-position uniforms (one each: element 0) or exponential noise (vocab each: -log of
+    elements 0..vocab-1), one counter-based stream per output index."""
+    elements = torch.arange(max(vocab, 1), dtype=torch.int64, device=device)
+    if count == 0:
+        return torch.empty((0, vocab) if vocab else (0,), device=device)
+    out = torch.stack([counter_uniforms(stream_seed(seed ^ salt, first_index + j), elements) for j in range(count)])
+    return -out.log() if vocab else out[:, 0]
 
 
 def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow],
@@ -54,6 +58,60 @@ def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow],
     """logits: [sum(1 + len(d) for d in drafts), vocab], each request's positions in order.
     Returns (number of drafts accepted, the token after them), int64 [len(rows)] each, on the
     logits' device."""
+    if use_triton(logits):
+        return verify_drafts_triton(logits, rows, drafts)
+    return verify_drafts_reference(logits, rows, drafts)
+
+
+def verify_drafts_triton(logits: torch.Tensor, rows: list[SamplingRow],
+                         drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify_drafts through kernels/rejection_sampling.py: the penalties and filters of every
+    position as the reference applies them, then one accept / residual / bonus kernel pair."""
+    scores = logits
+    if any(r.params.changes_logits for r in rows):
+        flat = [r for row, d in zip(rows, drafts) for r in position_rows(row, d)]
+        scores = logits.to(torch.float32, copy=True)
+        _apply_penalties(scores, flat)
+    else:  # the filters read only the parameters: no copies of the token lists
+        flat = [row for row, d in zip(rows, drafts) for _ in range(len(d) + 1)]
+    sampled = [i for i, r in enumerate(flat) if not r.params.greedy]
+    if sampled:
+        if scores is logits:  # never write the caller's logits
+            scores = logits.to(torch.float32, copy=True)
+        index = torch.tensor(sampled, device=logits.device)
+        scores[index] = _filter(scores[index], [flat[i] for i in sampled])
+    counts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
+    starts = np.concatenate([[0], np.cumsum(counts + 1)[:-1]])
+    max_drafts = int(counts.max()) if len(counts) else 0
+    padded = np.full((len(drafts), max_drafts), -1, dtype=np.int64)
+    row_draft = np.full(len(flat), -1, dtype=np.int64)
+    for i, (start, d) in enumerate(zip(starts, drafts)):
+        padded[i, :len(d)] = d
+        row_draft[start:start + len(d)] = d
+    draw_keys = np.empty(len(flat), dtype=np.uint64)
+    accept_keys = np.empty(len(flat), dtype=np.uint64)
+    for i, (start, row, d) in enumerate(zip(starts, rows, drafts)):  # position j's output index: the count + j
+        index = row.num_output_tokens
+        for j in range(len(d) + 1):
+            draw_keys[start + j] = stream_seed(row.seed, index + j)
+            accept_keys[start + j] = stream_seed(row.seed ^ _ACCEPT_SALT, index + j)
+    small = torch.from_numpy(np.concatenate([starts, counts, [not r.params.greedy for r in rows], padded.ravel(),
+                                             row_draft]).astype(np.int32))
+    keys = torch.from_numpy(np.concatenate([draw_keys, accept_keys]).view(np.int64))
+    pin = logits.is_cuda
+    small = (small.pin_memory() if pin else small).to(logits.device, non_blocking=True)
+    keys = (keys.pin_memory() if pin else keys).to(logits.device, non_blocking=True)
+    b, r = len(drafts), len(flat)
+    starts_d, counts_d, sampled_d = small[:b], small[b:2 * b], small[2 * b:3 * b]
+    drafts_d = small[3 * b:3 * b + b * max_drafts].view(b, max_drafts)
+    row_draft_d = small[3 * b + b * max_drafts:]
+    return rejection_sample_triton(scores, starts_d, counts_d, drafts_d, 1 - sampled_d, keys[:r], keys[r:],
+                                   row_draft_d)
+
+
+def verify_drafts_reference(logits: torch.Tensor, rows: list[SamplingRow],
+                            drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule in PyTorch, request by request (module docstring)."""
     device = logits.device
     position_of = [position_rows(row, d) for row, d in zip(rows, drafts)]
     flat = [r for group in position_of for r in group]
@@ -78,11 +136,12 @@ def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow],
         uniforms = _streams(device, row.seed, index, k, 0, _ACCEPT_SALT)
         accept = uniforms < probs[:k].gather(1, draft_ids[:, None]).squeeze(1)
         num_accepted = accept.long().cumprod(dim=0).sum()
-        # The token at each possible stop: the residual at a rejected position, p_k after all.
-        residual = probs.clone()
-        residual[torch.arange(k, device=device), draft_ids] = 0.0
+        # The token at each possible stop: the residual at a rejected position, p_k after all,
+        # drawn by an exponential race: argmax of p / E = argmax of log p - log E.
+        scores = _filter(block, group)
+        scores[torch.arange(k, device=device), draft_ids] = float("-inf")
         noise = _streams(device, row.seed, index, k + 1, probs.shape[1])
-        candidates = (residual / noise).argmax(dim=-1)  # exponential race: a draw from residual / sum
+        candidates = torch.where(scores == float("-inf"), float("-inf"), scores - noise.log()).argmax(dim=-1)
         accepted.append(num_accepted)
         tokens.append(candidates[num_accepted])
     return torch.stack(accepted), torch.stack(tokens)

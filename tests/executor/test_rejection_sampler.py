@@ -40,7 +40,7 @@ def test_sampled_tokens_follow_the_target_distribution():
     assert chi_square(torch.bincount(second, minlength=VOCAB).float(), target[1]) < CHI2_CRITICAL_DF5
     # Both accepted: the bonus token from position 2's target (uniform over the top-k's five).
     bonus = tokens[num_accepted == 2]
-    assert len(bonus) > 200
+    assert len(bonus) > 150  # expected 3000 p0(1) p1(2) = 196, sd 14
     assert chi_square(torch.bincount(bonus, minlength=VOCAB).float(), target[2]) < CHI2_CRITICAL_DF5
     # The acceptance rate of the first draft is its target probability.
     assert abs(float(given.float().mean()) - float(target[0, DRAFTS[0]])) < 0.04
@@ -67,10 +67,13 @@ def test_penalties_see_the_drafts_as_outputs():
     assert tokens.tolist() == expected
 
 
-def test_no_drafts_draws_what_the_plain_sampler_draws():
+def test_no_drafts_draws_from_the_plain_target():
+    # The rejection sampler's draws come from its own counter-based streams (the kernel's), not
+    # the plain sampler's generators: with no drafts its token is distributed as plain sampling's.
     params = SamplingParams(temperature=0.7, top_p=0.9)
-    rows = [SamplingRow(params, seed, [1, 2, 3], 1) for seed in range(50)]
-    logits = LOGITS[:1].repeat(50, 1)
-    num_accepted, tokens = verify_drafts(logits, rows, [[]] * 50)
-    plain, _ = sample(logits.clone(), rows)
-    assert num_accepted.tolist() == [0] * 50 and tokens.tolist() == plain
+    rows = [SamplingRow(params, seed, [1, 2, 3], 1) for seed in range(2000)]
+    logits = LOGITS[:1].repeat(2000, 1)
+    num_accepted, tokens = verify_drafts(logits, rows, [[]] * 2000)
+    target = _filter(LOGITS[:1].clone(), rows[:1]).softmax(dim=-1)[0]
+    assert num_accepted.tolist() == [0] * 2000
+    assert chi_square(torch.bincount(tokens, minlength=VOCAB).float(), target) < CHI2_CRITICAL_DF5

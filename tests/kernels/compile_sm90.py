@@ -33,6 +33,7 @@ from metrale.kernels import moe_gemv as MG
 from metrale.kernels import moe_routing as MR
 from metrale.kernels import paged_attention as A
 from metrale.kernels import qk_norm_rope as Q
+from metrale.kernels import rejection_sampling as RS
 from metrale.kernels import sampling as S
 
 F32, I64, I32, INT = "*fp32", "*i64", "*i32", "i32"
@@ -40,6 +41,17 @@ _TILE = {"n_rows": INT, "vocab": INT, "stride_row": INT, "num_chunks": INT, "eps
 
 # name: (kernel, argument types, constexprs, num_warps): the launch shapes of a Qwen3 vocabulary
 KERNELS = {
+    # speculative decoding's rejection sampler: fp32 scores (sampled rows), k = 4 drafts, a
+    # 152k vocabulary (75 chunks of 2048)
+    "rejection_sampling._chunk_stats_kernel": (RS._chunk_stats_kernel, {
+        "scores_ptr": F32, "row_draft_ptr": I32, "draw_key_ptr": I64, "cmax_ptr": F32, "csum_ptr": F32,
+        "cargmax_ptr": I32, "race_val_ptr": F32, "race_idx_ptr": I32, "vocab": INT, "stride_row": INT,
+        "num_chunks": INT}, {"BLOCK_V": RS.BLOCK_V}, 8),
+    "rejection_sampling._accept_kernel": (RS._accept_kernel, {
+        "scores_ptr": F32, "row_start_ptr": I32, "num_drafts_ptr": I32, "drafts_ptr": I32, "greedy_ptr": I32,
+        "accept_key_ptr": I64, "cmax_ptr": F32, "csum_ptr": F32, "cargmax_ptr": I32, "race_val_ptr": F32,
+        "race_idx_ptr": I32, "num_accepted_ptr": I64, "tokens_ptr": I64, "stride_row": INT, "stride_drafts": INT,
+        "num_chunks": INT}, {"MAX_DRAFTS": 4, "BLOCK_C": 128}, 1),
     "sampling._chunk_max_kernel": (S._chunk_max_kernel, {"logits_ptr": F32, "chunk_max_ptr": F32, "temp_ptr": F32,
                                                          **_TILE}, {"ROWS": 1, "BLOCK_V": 4096}, 8),
     **{f"sampling._radix_count_kernel[MASS={mass}]": (
