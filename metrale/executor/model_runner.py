@@ -167,6 +167,7 @@ class ModelRunner:
         self.caches: CacheTensors | None = None
         self._pin = device.type == "cuda"
         self.graphs = None  # DecodeGraphs, once captured
+        self.verify_graphs = None  # VerifyGraphs, once captured (speculative decoding)
         # The last launched step's sampled tokens on the device, and each request's row in them.
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
@@ -187,20 +188,48 @@ class ModelRunner:
     def supports_cuda_graphs(self) -> bool:
         return self.device.type == "cuda" and all(b.supports_cuda_graphs for b in self.backends.values())
 
+    @property
+    def supports_verify_graphs(self) -> bool:
+        """Every backend reads a verify graph's layout (BatchLayout.uniform_query_len)."""
+        return self.supports_cuda_graphs and all(getattr(b, "supports_verify_graphs", False)
+                                                 for b in self.backends.values())
+
     def release_cuda_graphs(self) -> None:
         """Back to eager decode steps (before shutting a multi-rank engine's groups down)."""
-        if self.graphs is not None:
-            self.graphs.release()
-            self.graphs = None
+        for graphs in (self.graphs, self.verify_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.verify_graphs = None
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        from metrale.executor.cuda_graphs import DecodeGraphs
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, num_speculative_tokens: int = 0) -> None:
+        """Decode graphs, and verify graphs of 1 + num_speculative_tokens rows per sequence when
+        speculating and every backend supports them (executor/cuda_graphs.py)."""
+        from metrale.executor.cuda_graphs import DecodeGraphs, VerifyGraphs, capture_sizes, verify_capture_sizes
 
         if not self.supports_cuda_graphs:
             return
         max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self, max_num_seqs, max_blocks, max_model_len)
-        self.graphs.capture()
+        self.graphs = DecodeGraphs(self, capture_sizes(max_num_seqs), max_blocks, max_model_len)
+        pool = self.graphs.capture()
+        if num_speculative_tokens and not self.supports_verify_graphs:
+            logger.info("verify steps run eagerly: the %s backends have no verify graphs", self.backend_names)
+        elif num_speculative_tokens:
+            self.verify_graphs = VerifyGraphs(self, verify_capture_sizes(max_num_seqs, num_speculative_tokens),
+                                              max_blocks, max_model_len, 1 + num_speculative_tokens)
+            self.verify_graphs.capture(pool)
+
+    def replay_graph(self, batch: "BatchInputs") -> torch.Tensor | None:
+        """The logits of the step's sampled rows from a captured graph, or None when no graph
+        fits it: a pure decode step (one row per sequence) or a verify step (decodes and drafts
+        only, at most 1 + k rows per sequence; every row sampled)."""
+        num_tokens, layout = batch.input_ids.shape[0], batch.layout
+        if (self.graphs is not None and layout.is_pure_decode
+                and len(batch.sampled_request_ids) == num_tokens and self.graphs.can_run(num_tokens)):
+            return self.graphs.run(batch.input_ids, layout)
+        if (self.verify_graphs is not None and batch.logits_rows is not None
+                and self.verify_graphs.can_run_step(layout, batch.logits_indices.shape[0])):
+            return self.verify_graphs.run(batch.input_ids, layout)
+        return None
 
     # -- the caches ----------------------------------------------------------------------------
 
@@ -348,13 +377,10 @@ class ModelRunner:
         if plan.is_empty:
             return PendingOutput(self, [], [], None)
         batch = self.prepare_inputs(plan)
-        num_tokens = batch.input_ids.shape[0]
-        hidden = None
         # A runner-side drafter reads the step's hidden states: the graphs give only logits.
-        if (self.drafter is None and self.graphs is not None and batch.layout.is_pure_decode
-                and len(batch.sampled_request_ids) == num_tokens and self.graphs.can_run(num_tokens)):
-            logits = self.graphs.run(batch.input_ids, batch.layout)
-        else:
+        logits = self.replay_graph(batch) if self.drafter is None else None
+        hidden = None
+        if logits is None:
             hidden = self.forward(batch)
             logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sampled_request_ids else None
         self.caches.copy_slots(plan.state_saves)  # after the forward pass that computed the states

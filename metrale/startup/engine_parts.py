@@ -183,7 +183,9 @@ def _size_caches(args, plan, runner, tokenizer, parallel, forward: str, log: Sta
     runner.allocate_caches(plan.num_kv_blocks, plan.num_state_slots)
     calibrate_fp8_scales(args, runner, tokenizer, plan)
     if forward == "graphs":
-        runner.capture_cuda_graphs(plan.max_num_seqs, plan.max_model_len)
+        spec = args.speculative_decoding
+        runner.capture_cuda_graphs(plan.max_num_seqs, plan.max_model_len,
+                                   spec.num_speculative_tokens if spec is not None else 0)
     state = f", {plan.num_state_slots + 1} state slots ({plan.state_cache_bytes / 2**20:.0f} MiB)" \
         if plan.state_bytes_per_slot else ""
     log.phase("kv cache", f"{plan.num_kv_blocks} blocks x {args.block_size} tokens "
