@@ -11,16 +11,20 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from metrale.config.dflash_config import DFlashConfig
+
 # Methods a user may reasonably ask for that met does not draft with yet (docs/speculative.md).
-NOT_BUILT_METHODS = ("dflash", "eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "suffix")
+NOT_BUILT_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "suffix")
 # Drafting with the target's own multi-token-prediction layers (executor/drafters/mtp.py).
 MTP_METHODS = ("mtp", "deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp")
 # k for MTP when neither num_speculative_tokens nor --num-drafts gives it: the published DeepSeek-V3
 # and GLM-4.5 checkpoints hold one next-n layer, trained for the token after the next.
 MTP_DEFAULT_DRAFTS = 1
-BUILT_METHODS = ("ngram",) + MTP_METHODS
+BUILT_METHODS = ("ngram", "dflash") + MTP_METHODS
+# Methods that draft with a checkpoint of their own, given as speculative_config's "model".
+DRAFTER_MODEL_METHODS = ("dflash",)
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "cost_model",
-         "cost_calibration")
+         "cost_calibration", "model")
 # static: k = num_speculative_tokens every step; measured: k per step from a calibration table
 # (engine/spec_cost_model.py, docs/speculative.md "The cost model").
 COST_MODELS = ("static", "measured")
@@ -36,6 +40,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     cost_model: str = "static"
     cost_calibration: str | None = None  # the table `measured` reads (met benchmark spec-cost-table)
+    model: str | None = None  # the drafter checkpoint directory (dflash)
 
     @classmethod
     def parse(cls, value: str | dict | None, num_drafts: int | None = None, cost_model: str | None = None,
@@ -97,7 +102,26 @@ class SpeculativeConfig:
         if model == "static" and calibration:
             raise ValueError("a spec-cost calibration table is read only with cost_model 'measured' "
                              "(--spec-cost-model measured); static drafts num_speculative_tokens every step")
-        return cls(method, k, lookup_min, lookup_max, model, calibration or None)
+        return cls(method, k, lookup_min, lookup_max, model, calibration or None, _drafter_model(value, method, k))
+
+
+def _drafter_model(value: dict, method: str, k: int) -> str | None:
+    """The drafter checkpoint directory of a method that has one (its config read and k checked
+    against its block size now, before any weight loads); refused for the others."""
+    drafter_dir = value.get("model")
+    if method not in DRAFTER_MODEL_METHODS:
+        if drafter_dir is not None:
+            raise ValueError(f"speculative_config model is read only by {', '.join(DRAFTER_MODEL_METHODS)}; "
+                             f"method {method!r} drafts without a checkpoint of its own")
+        return None
+    if not isinstance(drafter_dir, str) or not drafter_dir:
+        raise ValueError(f"speculative_config method {method!r} needs model: the drafter checkpoint directory")
+    drafter = DFlashConfig.read(drafter_dir)
+    if k > drafter.max_drafts:
+        raise ValueError(f"speculative_config num_speculative_tokens {k} is above what the DFlash drafter "
+                         f"{drafter_dir!r} drafts in one pass: {drafter.max_drafts} (its block_size "
+                         f"{drafter.block_size} - 1)")
+    return drafter_dir
 
 
 def _one_of(value: dict, key: str, given, flag: str):

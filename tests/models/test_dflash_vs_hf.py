@@ -1,5 +1,5 @@
 """Speculative decoding with a tiny random DFlash drafter (tests/dflash_checkpoints.py), end to end:
-greedy tokens identical to transformers' and to plain decoding, for Llama and Qwen3 targets,
+greedy tokens identical to transformers' (Qwen3 and Llama targets) and to plain decoding (Llama),
 batched prompts of mixed lengths; under chunked prefill with forced preemption, prefix hits and
 tp=2 on the CPU. The drafts the runner proposes at every step equal the plain-torch reference's
 for the same accepted tokens (so the drafter's context cache is right across chunks, rejected
@@ -21,7 +21,7 @@ from dflash_checkpoints import (BLOCK_SIZE, constant_draft_mask, make_dflash_dra
 from metrale import LLM, SamplingParams
 from speculative_cases import make_prompts
 
-NEW_TOKENS = 16
+NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 K = BLOCK_SIZE - 1
 
@@ -87,19 +87,8 @@ def assert_idle(llm: LLM) -> None:
     assert kv.num_free_blocks == kv.num_blocks
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_greedy_matches_transformers_plain_decoding_and_the_reference_drafts(family, setup):
-    target, drafter, model, expected = setup(family)
-    llm = engine(target, drafter)
-    calls = record_drafts(llm)
-    tokens, ids = generate(llm)
-    assert tokens == expected
-    assert_idle(llm)
-    sequences = {rid: p + t for rid, p, t in zip(ids, make_prompts(), tokens)}
-    assert_drafts_are_the_reference(calls, sequences, drafter, model)
-    if family == "llama":
-        assert generate(engine(target, None))[0] == expected
-    # sha256 of the drafter's tensors as stored (name order: each name, then its bytes)
+def sha256_as_stored(drafter: str) -> str:
+    """The drafter tensors' sha256: in name order, each name, then its bytes."""
     from safetensors import safe_open
 
     digest = hashlib.sha256()
@@ -107,7 +96,41 @@ def test_greedy_matches_transformers_plain_decoding_and_the_reference_drafts(fam
         for name in sorted(f.keys()):
             digest.update(name.encode())
             digest.update(f.get_tensor(name).numpy().tobytes())
-    assert llm.llm_engine.runner.drafter.sha256 == digest.hexdigest()
+    return digest.hexdigest()
+
+
+def test_greedy_matches_transformers_and_the_reference_drafts(setup):
+    target, drafter, model, expected = setup("qwen3")
+    llm = engine(target, drafter)
+    calls = record_drafts(llm)
+    tokens, ids = generate(llm)
+    assert tokens == expected
+    assert_idle(llm)
+    assert_drafts_are_the_reference(calls, {rid: p + t for rid, p, t in zip(ids, make_prompts(), tokens)}, drafter,
+                                    model)
+    drafter_model = llm.llm_engine.runner.drafter.model
+    assert llm.llm_engine.runner.drafter.sha256 == sha256_as_stored(drafter)
+    # The memory plan counts the drafter: its weights, and its context K/V per token (2 layers x K
+    # and V x 2 KV heads x head_dim 16 x 4 bytes) beside the target's (4 layers x 2 x 2 x 32 x 4).
+    plan, target_model = llm.llm_engine.memory_plan, llm.llm_engine.runner.model
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in target_model.parameters()}.values())
+    assert plan.weight_bytes == weights + sum(p.numel() * 4 for p in drafter_model.parameters())
+    assert plan.kv_bytes_per_token == 4 * 2 * 2 * 32 * 4 + 2 * 2 * 2 * 16 * 4
+
+
+def test_plain_decoding_and_prefix_hits(setup):
+    target, drafter, model, expected = setup("llama")
+    assert generate(engine(target, None))[0] == expected
+    llm = engine(target, drafter, block_size=8, enable_prefix_caching=True)
+    assert generate(llm)[0] == expected
+    hits = llm.llm_engine.scheduler.kv.prefix_hits_total
+    calls = record_drafts(llm)
+    tokens, ids = generate(llm)  # the prompts again: their blocks, the drafter's context with them, are hits
+    assert tokens == expected
+    assert llm.llm_engine.scheduler.kv.prefix_hits_total > hits
+    assert_idle(llm)
+    assert_drafts_are_the_reference(calls, {rid: p + t for rid, p, t in zip(ids, make_prompts(), tokens)}, drafter,
+                                    model)
 
 
 def test_chunked_prefill_and_preemption(setup):
@@ -120,19 +143,6 @@ def test_chunked_prefill_and_preemption(setup):
     assert tokens == expected
     assert llm.llm_engine.scheduler.num_preemptions_total > 0
     assert_idle(llm)
-    assert_drafts_are_the_reference(calls, {rid: p + t for rid, p, t in zip(ids, make_prompts(), tokens)}, drafter,
-                                    model)
-
-
-def test_prefix_hits(setup):
-    target, drafter, model, expected = setup("llama")
-    llm = engine(target, drafter, block_size=8, enable_prefix_caching=True)
-    assert generate(llm)[0] == expected
-    hits = llm.llm_engine.scheduler.kv.prefix_hits_total
-    calls = record_drafts(llm)
-    tokens, ids = generate(llm)  # the prompts again: their blocks, the drafter's context with them, are hits
-    assert tokens == expected
-    assert llm.llm_engine.scheduler.kv.prefix_hits_total > hits
     assert_drafts_are_the_reference(calls, {rid: p + t for rid, p, t in zip(ids, make_prompts(), tokens)}, drafter,
                                     model)
 

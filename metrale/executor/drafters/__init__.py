@@ -44,3 +44,13 @@ def drafter_cached_layers(spec: SpeculativeConfig | None, model: torch.nn.Module
                          "(num_nextn_predict_layers 0, the layers stripped, or --load-format dummy); "
                          "method 'ngram' drafts by prompt lookup")
     return model.mtp[0].cached_layers()
+
+
+def drafter_weight_bytes(spec: SpeculativeConfig | None, model: torch.nn.Module) -> int:
+    """The bytes of a drafter's own weights that the (meta-device) model does not hold: a DFlash
+    drafter's checkpoint (MTP layers are the model's own parameters, counted with it)."""
+    if spec is None or spec.method != "dflash":
+        return 0
+    from metrale.executor.drafters.dflash import dflash_weight_bytes
+
+    return dflash_weight_bytes(model, spec.model, spec.num_speculative_tokens)

@@ -35,6 +35,7 @@ from metrale.config.dflash_config import DFlashConfig
 from metrale.config.errors import ModelLoadError
 from metrale.config.model_config import ModelConfig
 from metrale.executor.drafters.base import DraftInputs, DraftOutput, RunnerDrafter
+from metrale.executor.memory_plan import parameter_bytes
 from metrale.loader.safetensors_loader import iterate_tensors, sha256_of_tensors
 from metrale.loader.weights import load_weights
 from metrale.models.dflash import DFlashDraftModel, DraftBlocks
@@ -104,9 +105,16 @@ class DFlashDrafter(RunnerDrafter):
         return DraftOutput(drafts)
 
 
-def dflash_cached_layers(target_meta_model: nn.Module, drafter_dir: str, k: int) -> list:
-    """The drafter's stateful modules from a meta-device build (no weights read): the memory plan
-    counts their caches before anything loads."""
+def dflash_meta_model(target_meta_model: nn.Module, drafter_dir: str, k: int) -> DFlashDraftModel:
+    """The drafter on the meta device (its config checked, no weights read): the memory plan
+    counts its caches and its weights before anything loads."""
     target: ModelConfig = target_meta_model.config
-    model = build_dflash_model(checked_config(drafter_dir, target, k), target, torch.device("meta"))
-    return [layer.self_attn for layer in model.layers]
+    return build_dflash_model(checked_config(drafter_dir, target, k), target, torch.device("meta"))
+
+
+def dflash_cached_layers(target_meta_model: nn.Module, drafter_dir: str, k: int) -> list:
+    return [layer.self_attn for layer in dflash_meta_model(target_meta_model, drafter_dir, k).layers]
+
+
+def dflash_weight_bytes(target_meta_model: nn.Module, drafter_dir: str, k: int) -> int:
+    return parameter_bytes(dflash_meta_model(target_meta_model, drafter_dir, k))
