@@ -91,6 +91,34 @@ def constant_draft_mask(target_model, token: int) -> int | None:
     return found[0] if found else None
 
 
+# -- the engine's drafts against the reference --------------------------------------------------
+
+def record_drafts(llm) -> list:
+    """Every propose call's (request id, block start position, sampled token, drafts)."""
+    drafter, calls = llm.llm_engine.runner.drafter, []
+    propose = drafter.propose
+
+    def recording(inputs):
+        out = propose(inputs)
+        starts = (inputs.layout.positions[inputs.last_rows] + 1).tolist()
+        calls.extend(zip(inputs.request_ids, starts, inputs.sampled_tokens.tolist(), out.token_ids.tolist()))
+        return out
+
+    drafter.propose = recording
+    return calls
+
+
+def assert_drafts_are_the_reference(calls, sequences: dict, drafter: str, model) -> None:
+    assert calls
+    # Causal: the target's features of a prefix are the first rows of the whole sequence's.
+    features = {rid: target_features(model, tokens) for rid, tokens in sequences.items()}
+    for request_id, start, sampled, drafts in calls:
+        tokens = sequences[request_id]
+        assert tokens[start] == sampled  # the block opens with the token the target gave at `start`
+        context = features[request_id][:start]
+        assert drafts == reference_drafts(drafter, model, context, sampled, len(drafts)), (request_id, start)
+
+
 # -- the reference forward ---------------------------------------------------------------------
 
 def _rms(x, weight, eps=1e-6):

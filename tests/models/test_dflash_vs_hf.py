@@ -16,14 +16,13 @@ import pytest
 import torch
 
 from checkpoints import load_reference, reference_greedy
-from dflash_checkpoints import (BLOCK_SIZE, constant_draft_mask, make_dflash_drafter, make_dflash_target,
-                                reference_drafts, target_features)
+from dflash_checkpoints import (BLOCK_SIZE, assert_drafts_are_the_reference, constant_draft_mask, make_dflash_drafter,
+                                make_dflash_target, record_drafts)
 from metrale import LLM, SamplingParams
 from speculative_cases import make_prompts
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-K = BLOCK_SIZE - 1
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,7 @@ def setup(tmp_path_factory):
     return get
 
 
-def engine(target: str, drafter: str | None, k: int = K, **kwargs) -> LLM:
+def engine(target: str, drafter: str | None, k: int = BLOCK_SIZE - 1, **kwargs) -> LLM:
     spec = {"speculative_config": {"method": "dflash", "model": drafter, "num_speculative_tokens": k}} if drafter else {}
     return LLM(target, dtype="float32", device="cpu", **spec, **kwargs)
 
@@ -52,32 +51,6 @@ def generate(llm: LLM, prompts=None):
     prompts = [{"prompt_token_ids": p} for p in (prompts or make_prompts())]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs], [o.request_id for o in outputs]
-
-
-def record_drafts(llm: LLM) -> list:
-    """Every propose call's (request id, block start position, sampled token, drafts)."""
-    drafter, calls = llm.llm_engine.runner.drafter, []
-    propose = drafter.propose
-
-    def recording(inputs):
-        out = propose(inputs)
-        starts = (inputs.layout.positions[inputs.last_rows] + 1).tolist()
-        calls.extend(zip(inputs.request_ids, starts, inputs.sampled_tokens.tolist(), out.token_ids.tolist()))
-        return out
-
-    drafter.propose = recording
-    return calls
-
-
-def assert_drafts_are_the_reference(calls, sequences: dict, drafter: str, model) -> None:
-    assert calls
-    # Causal: the target's features of a prefix are the first rows of the whole sequence's.
-    features = {rid: target_features(model, tokens) for rid, tokens in sequences.items()}
-    for request_id, start, sampled, drafts in calls:
-        tokens = sequences[request_id]
-        assert tokens[start] == sampled  # the block opens with the token the target gave at `start`
-        context = features[request_id][:start]
-        assert drafts == reference_drafts(drafter, model, context, sampled, K), (request_id, start)
 
 
 def assert_idle(llm: LLM) -> None:
