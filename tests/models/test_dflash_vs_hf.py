@@ -155,8 +155,20 @@ def test_mismatched_drafters_are_refused(setup, tmp_path, edit, message):
         engine(target, drafter)
 
 
-def test_configuration_refusals(setup, tmp_path):
+def test_command_line_and_refusals(setup, tmp_path):
+    import argparse
+    import json
+
+    from metrale.config.engine_args import EngineArgs
+
     target, drafter, _, _ = setup("qwen3")
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--model", target, "--speculative-config", json.dumps({"method": "dflash", "model": drafter}),
+         "--num-drafts", "2"]))
+    spec = args.speculative_decoding
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("dflash", drafter, 2)
     with pytest.raises(ValueError, match="does not exist"):
         engine(target, str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match=f"num_speculative_tokens {BLOCK_SIZE} is above .* {BLOCK_SIZE - 1}"):
