@@ -13,7 +13,7 @@ from metrale.config.engine_args import EngineArgs
 from metrale.config.model_config import ModelConfig
 from metrale.distributed.launch import ParallelRuntime
 from metrale.executor.cache_layout import CacheLayout
-from metrale.executor.drafters import drafter_cached_layers
+from metrale.executor.drafters import drafter_cached_layers, drafter_weight_bytes
 from metrale.executor.memory_plan import (CPU_DEFAULT_KV_BYTES, CUDA_RUNTIME_OVERHEAD_BYTES, MemoryPlan,
                                           MemoryPlanError, estimate_activation_bytes, finish_plan,
                                           fit_kv_blocks, parameter_bytes)
@@ -50,7 +50,7 @@ def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
     activation = estimate_activation_bytes(config.hf_config, config.dtype, args.step_token_budget(device.type),
                                            1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs),
                                            config.vocab_size)
-    weights = parameter_bytes(meta_model)
+    weights = parameter_bytes(meta_model) + drafter_weight_bytes(args.speculative_decoding, meta_model)
     if device.type == "cuda" or device_total is not None:
         total = device_total if device_total is not None else torch.cuda.mem_get_info(device)[1]
         budget = int(total * args.gpu_memory_utilization)

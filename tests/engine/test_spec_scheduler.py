@@ -189,7 +189,7 @@ def test_ngram_drafter():
 
 @pytest.mark.parametrize("value, message", [
     ("{not json", "JSON object"),
-    ({"method": "dflash", "num_speculative_tokens": 2}, "'dflash' is not built yet"),
+    ({"method": "dflash", "num_speculative_tokens": 2}, "'dflash' needs model"),
     ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' is not built yet"),
     ({"method": "nope", "num_speculative_tokens": 2}, "must be one of"),
     ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
