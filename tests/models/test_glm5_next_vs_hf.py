@@ -19,7 +19,7 @@ import torch
 
 from family_cases import assert_idle, family_fixtures, generate_twice
 from glm5_next_checkpoints import INDEX_KPOOL, INDEX_TOPK, VARIANTS, load_glm5_next_reference, make_glm5_next_checkpoint
-from metrale import LLM
+from metrale import LLM, SamplingParams
 from metrale.config.engine_args import EngineArgs
 from metrale.config.errors import OptionError
 from metrale.config.model_config import ModelLoadError, load_model_config
@@ -76,15 +76,21 @@ def _check_selections(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_batched_then_prefix_hits_match_transformers(variant, glm5_next_checkpoint, expected, monkeypatch):
+def test_batched_then_prefix_hits_match_transformers(glm5_next_checkpoint, expected, monkeypatch):
     seen = _check_selections(monkeypatch)
-    llm, first, second, hits = generate_twice(glm5_next_checkpoint(variant))
-    assert first == second == expected(variant)
+    llm, first, second, hits = generate_twice(glm5_next_checkpoint(MAIN))
+    assert first == second == expected(MAIN)
     assert llm.llm_engine.scheduler.kv.prefix_hits_total > hits
     assert_idle(llm)
     assert seen["rows dropping"] > 500  # one full indexed layer: the rows of 28+ positions
     assert seen["smallest gap"] > 1e-6, seen
+
+
+@pytest.mark.parametrize("variant", sorted(set(VARIANTS) - {MAIN}))
+def test_batched_variant_matches_transformers(variant, glm5_next_checkpoint, expected):
+    """The softplus decay (no lower bound) and no tail selection."""
+    _, tokens = generate(glm5_next_checkpoint(variant))
+    assert tokens == expected(variant)
 
 
 def test_chunked_prefill_matches_transformers(glm5_next_checkpoint, expected):
@@ -175,8 +181,10 @@ def test_memory_plan_of_the_shipped_config():
 def test_dummy_weights_load_and_generate(glm5_next_checkpoint):
     """--load-format dummy draws transformers' in-memory names (attn_hc.fn, forget_gate.*, the
     concatenated conv1d, stacked experts), which load as the checkpoint's names do."""
-    llm, tokens = generate(glm5_next_checkpoint(MAIN), load_format="dummy")
-    assert all(len(t) == 12 for t in tokens)
+    llm = LLM(glm5_next_checkpoint(MAIN), dtype="float32", device="cpu", load_format="dummy")
+    outs = llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(max_tokens=4, ignore_eos=True),
+                        use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 4
 
 
 def test_the_triton_mla_backend_refuses_mla_without_rope(glm5_next_checkpoint):
