@@ -27,18 +27,18 @@ def _uniforms_kernel(key_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + e, R._uniforms_tl(tl.load(key_ptr), e), mask=e < n)
 
 
-def test_counter_uniforms_match_the_kernels_bit_for_bit():
+def test_counter_uniforms_match_the_kernels_bit_for_bit(device):
     from metrale.executor.sampler import stream_seed
 
     for key in (stream_seed(7, 3), stream_seed(2**40 + 5, 0), 2**64 - 1, 0):
-        out = torch.empty(64)
-        _uniforms_kernel[(1,)](torch.tensor([key - 2**64 if key >= 2**63 else key]), out, 64, BLOCK=64)
-        expected = R.counter_uniforms(key, torch.arange(64))
+        out = torch.empty(64, device=device)
+        _uniforms_kernel[(1,)](torch.tensor([key - 2**64 if key >= 2**63 else key], device=device), out, 64, BLOCK=64)
+        expected = R.counter_uniforms(key, torch.arange(64, device=device))
         assert torch.equal(out, expected)
         assert bool((expected > 0).all() and (expected < 1).all())
 
 
-def _batch(params_list, seed=0, num_drafts=(3, 1, 4, 2)):
+def _batch(device, params_list, seed=0, num_drafts=(3, 1, 4, 2)):
     """Logits whose argmax the drafts often follow (so chains of acceptances happen), and drafts
     that are the argmax, a likely token or a random one."""
     g = torch.Generator().manual_seed(seed)
@@ -51,7 +51,7 @@ def _batch(params_list, seed=0, num_drafts=(3, 1, 4, 2)):
         rows.append(SamplingRow(params, 1000 + 17 * i + seed, [5, 9, 11, 5], 2))
         drafts.append(draft)
         blocks.append(logits)
-    return torch.cat(blocks), rows, drafts
+    return torch.cat(blocks).to(device), rows, drafts
 
 
 def _check(logits, rows, drafts):
@@ -61,11 +61,11 @@ def _check(logits, rows, drafts):
     return want
 
 
-def test_greedy_matches_the_reference():
+def test_greedy_matches_the_reference(device):
     greedy = SamplingParams(temperature=0)
     accepted = []
     for seed in range(3):
-        logits, rows, drafts = _batch([greedy] * 4, seed)
+        logits, rows, drafts = _batch(device, [greedy] * 4, seed)
         accepted += _check(logits, rows, drafts)[0].tolist()
     assert max(accepted) > 0 and min(accepted) < 4  # some chains accepted, some cut
 
@@ -75,23 +75,23 @@ def test_greedy_matches_the_reference():
     SamplingParams(temperature=0.7, top_k=40, top_p=0.9),
     SamplingParams(temperature=1.3, min_p=0.05, repetition_penalty=1.3, presence_penalty=0.5),
 ], ids=["plain", "top_k_top_p", "min_p_penalties"])
-def test_seeded_sampling_matches_the_reference(params):
+def test_seeded_sampling_matches_the_reference(device, params):
     outcomes = set()
     for seed in range(3):
-        logits, rows, drafts = _batch([params] * 4, seed)
+        logits, rows, drafts = _batch(device, [params] * 4, seed)
         num_accepted, _ = _check(logits, rows, drafts)
         outcomes.update(zip(num_accepted.tolist(), [len(d) for d in drafts]))
     assert any(n > 0 for n, _ in outcomes) and any(n < k for n, k in outcomes)
 
 
-def test_greedy_and_sampled_requests_in_one_batch():
+def test_greedy_and_sampled_requests_in_one_batch(device):
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.95),
               SamplingParams(temperature=0, frequency_penalty=0.4), SamplingParams(temperature=1.1, top_k=7)]
-    logits, rows, drafts = _batch(params, seed=5)
+    logits, rows, drafts = _batch(device, params, seed=5)
     _check(logits, rows, drafts)
 
 
-def test_bf16_greedy_logits_are_read_without_a_copy():
-    logits, rows, drafts = _batch([SamplingParams(temperature=0)] * 4, seed=1)
+def test_bf16_greedy_logits_are_read_without_a_copy(device):
+    logits, rows, drafts = _batch(device, [SamplingParams(temperature=0)] * 4, seed=1)
     logits = logits.to(torch.bfloat16)
     _check(logits, rows, drafts)
