@@ -140,7 +140,8 @@ def _row_merge(cmax_ptr, csum_ptr, cargmax_ptr, race_val_ptr, race_idx_ptr, row,
 @triton.jit
 def _accept_kernel(scores_ptr, row_start_ptr, num_drafts_ptr, drafts_ptr, greedy_ptr, accept_key_ptr,
                    cmax_ptr, csum_ptr, cargmax_ptr, race_val_ptr, race_idx_ptr, num_accepted_ptr, tokens_ptr,
-                   stride_row, stride_drafts, num_chunks, MAX_DRAFTS: tl.constexpr, BLOCK_C: tl.constexpr):
+                   stride_row, stride_drafts, num_chunks, BLOCK_C: tl.constexpr):
+    # The walk over a request's 1 + k rows is a loop bounded at run time: one variant for every k.
     req = tl.program_id(0)
     start = tl.load(row_start_ptr + req)
     k = tl.load(num_drafts_ptr + req)
@@ -148,15 +149,13 @@ def _accept_kernel(scores_ptr, row_start_ptr, num_drafts_ptr, drafts_ptr, greedy
     accepted = k * 0
     token = (k * 0).to(tl.int64)
     alive = k >= 0  # still accepting
-    for j in tl.static_range(MAX_DRAFTS + 1):
+    for j in range(0, k + 1):
         valid = k >= j
         row = start + j
         m, total, argmax, winner = _row_merge(cmax_ptr, csum_ptr, cargmax_ptr, race_val_ptr, race_idx_ptr,
                                               row, num_chunks, valid, BLOCK_C)
         is_draft = k > j
-        draft = k * 0 - 1
-        if j < MAX_DRAFTS:
-            draft = tl.load(drafts_ptr + req * stride_drafts + j, mask=is_draft, other=-1)
+        draft = tl.load(drafts_ptr + req * stride_drafts + j, mask=is_draft, other=-1)
         score_d = tl.load(scores_ptr + row.to(tl.int64) * stride_row + draft, mask=is_draft & (draft >= 0),
                           other=float("-inf")).to(tl.float32)
         p_draft = tl.exp(score_d - m) / tl.maximum(total, 1e-30)
@@ -190,6 +189,6 @@ def rejection_sample_triton(scores: torch.Tensor, row_start: torch.Tensor, num_d
     tokens = torch.empty(num_requests, dtype=torch.int64, device=scores.device)
     _accept_kernel[(num_requests,)](scores, row_start, num_drafts, drafts, greedy, accept_keys, *stats, num_accepted,
                                     tokens, scores.stride(0), max(max_drafts, 1), num_chunks,
-                                    MAX_DRAFTS=max_drafts, BLOCK_C=max(16, triton.next_power_of_2(num_chunks)),
+                                    BLOCK_C=max(16, triton.next_power_of_2(num_chunks)),
                                     num_warps=1)
     return num_accepted, tokens

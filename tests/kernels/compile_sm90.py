@@ -41,8 +41,8 @@ _TILE = {"n_rows": INT, "vocab": INT, "stride_row": INT, "num_chunks": INT, "eps
 
 # name: (kernel, argument types, constexprs, num_warps): the launch shapes of a Qwen3 vocabulary
 KERNELS = {
-    # speculative decoding's rejection sampler: fp32 scores (sampled rows), k = 4 drafts, a
-    # 152k vocabulary (75 chunks of 2048)
+    # speculative decoding's rejection sampler: fp32 scores (sampled rows), a 152k vocabulary
+    # (75 chunks of 2048)
     "rejection_sampling._chunk_stats_kernel": (RS._chunk_stats_kernel, {
         "scores_ptr": F32, "row_draft_ptr": I32, "draw_key_ptr": I64, "cmax_ptr": F32, "csum_ptr": F32,
         "cargmax_ptr": I32, "race_val_ptr": F32, "race_idx_ptr": I32, "vocab": INT, "stride_row": INT,
@@ -51,7 +51,7 @@ KERNELS = {
         "scores_ptr": F32, "row_start_ptr": I32, "num_drafts_ptr": I32, "drafts_ptr": I32, "greedy_ptr": I32,
         "accept_key_ptr": I64, "cmax_ptr": F32, "csum_ptr": F32, "cargmax_ptr": I32, "race_val_ptr": F32,
         "race_idx_ptr": I32, "num_accepted_ptr": I64, "tokens_ptr": I64, "stride_row": INT, "stride_drafts": INT,
-        "num_chunks": INT}, {"MAX_DRAFTS": 4, "BLOCK_C": 128}, 1),
+        "num_chunks": INT}, {"BLOCK_C": 128}, 1),
     "sampling._chunk_max_kernel": (S._chunk_max_kernel, {"logits_ptr": F32, "chunk_max_ptr": F32, "temp_ptr": F32,
                                                          **_TILE}, {"ROWS": 1, "BLOCK_V": 4096}, 8),
     **{f"sampling._radix_count_kernel[MASS={mass}]": (
