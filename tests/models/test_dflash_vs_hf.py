@@ -182,3 +182,15 @@ def test_command_line_and_refusals(setup, tmp_path):
         LLM(target, dtype="float32", device="cpu",
             speculative_config={"method": "ngram", "model": drafter, "num_speculative_tokens": 2})
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_seeded_sampling_alone_equals_batched(setup):
+    target, drafter, _, _ = setup("qwen3")
+    llm = engine(target, drafter)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts()]
+    params = [SamplingParams(temperature=0.8, top_k=40, seed=10 + i, max_tokens=NEW_TOKENS, ignore_eos=True)
+              for i in range(len(prompts))]
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([p], [q], use_tqdm=False)[0].outputs[0].token_ids for p, q in zip(prompts[:3], params[:3])]
+    assert batched[:3] == alone and all(len(t) == NEW_TOKENS for t in batched)
+    assert_idle(llm)
