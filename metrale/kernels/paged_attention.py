@@ -390,6 +390,9 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, 
     block_n, num_warps, num_stages = config or _decode_config(head_dim, num_seqs, num_kv_heads, num_kv_splits,
                                                               q.device)
     block_d = triton.next_power_of_2(head_dim)
+    block_h = max(16, triton.next_power_of_2(group * num_queries))
+    if block_h >= 128:  # e.g. 9 query rows x a GQA group of 8: 4 warps spill at sm_90 (8 do not)
+        num_warps = max(num_warps, 8)
     direct = num_kv_splits == 1
     if direct:
         part_o = part_lse = out  # unused
@@ -403,7 +406,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, 
         num_heads * num_kv_splits, num_kv_splits, out.stride(0), out.stride(1),
         scale * k_scale * LOG2E, v_scale, k_cache.shape[1], num_kv_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_H=max(16, triton.next_power_of_2(group * num_queries)), BLOCK_N=block_n,
+        BLOCK_H=block_h, BLOCK_N=block_n,
         **_dot_flags(q.dtype), DIRECT=direct, NUM_Q=num_queries, num_warps=num_warps, num_stages=num_stages,
         **pdl_args(),
     )

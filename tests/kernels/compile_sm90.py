@@ -163,15 +163,16 @@ KERNELS = {
         "stride_row": INT}, {"TOP_K": 10, "BLOCK_K": 16, "BLOCK_E": 512, "RENORMALIZE": True, "PDL": True}, 4),
     # Qwen3-8B's attention: 32 q heads over 8 kv heads of 128, bf16 cache
     # (and a verify step's multi-query decode: 1 + 4 query rows per sequence)
-    **{f"paged_attention._decode_kernel[DIRECT={direct}{f',NUM_Q={nq}' if nq > 1 else ''}]": (A._decode_kernel, {
+    **{f"paged_attention._decode_kernel[DIRECT={direct}{f',NUM_Q={nq},GROUP={group}' if nq > 1 else ''}]": (A._decode_kernel, {
         "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "bt_ptr": I32, "seq_lens_ptr": I32,
         "query_lens_ptr": I32, "part_o_ptr": F32, "part_lse_ptr": F32, "out_ptr": "*bf16",
         **{name: INT for name in ("stride_qs", "stride_qh", "stride_cb", "stride_co", "stride_ch", "stride_bt",
                                   "stride_ps", "stride_ph", "stride_os", "stride_oh")},
         "scale_log2e": "fp32", "v_scale": "fp32", "block_size": INT, "num_splits": INT},
-        {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16 if nq == 1 else 32, "BLOCK_N": 64,
-         "PRECISION": None, "UPCAST": False, "DIRECT": direct, "PDL": True, "NUM_Q": nq}, 4)
-       for direct, nq in ((False, 1), (True, 1), (False, 5))},
+        {"GROUP": group, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": block_h, "BLOCK_N": 64,
+         "PRECISION": None, "UPCAST": False, "DIRECT": direct, "PDL": True, "NUM_Q": nq}, warps)
+       for direct, nq, group, block_h, warps in ((False, 1, 4, 16, 4), (True, 1, 4, 16, 4), (False, 5, 4, 32, 4),
+                                                 (False, 9, 8, 128, 8))},  # the last: a GQA group of 8, k = 8
     **{f"paged_attention._decode_merge_kernel{f'[NUM_Q={nq}]' if nq > 1 else ''}": (A._decode_merge_kernel, {
         "part_o_ptr": F32, "part_lse_ptr": F32, "out_ptr": "*bf16", "seq_lens_ptr": I32, "query_lens_ptr": I32,
         **{name: INT for name in ("stride_ps", "stride_ph", "stride_os", "stride_oh", "num_splits")}},
