@@ -139,3 +139,17 @@ def test_missing_directory_is_refused(tmp_path):
         DFlashConfig.read(str(tmp_path / "nowhere"))
     with pytest.raises(ModelLoadError, match="no config.json"):
         DFlashConfig.read(str(tmp_path))
+
+
+def test_a_target_whose_trunk_keeps_no_layer_outputs_is_refused(dirs):
+    from torch import nn
+
+    from metrale.executor.drafters.dflash import check_trunk
+
+    class OwnTrunk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Linear(2, 2)
+
+    with pytest.raises(ModelLoadError, match="OwnTrunk's trunk does not expose them"):
+        check_trunk(OwnTrunk())

@@ -38,6 +38,7 @@ from metrale.executor.drafters.base import DraftInputs, DraftOutput, RunnerDraft
 from metrale.executor.memory_plan import parameter_bytes
 from metrale.loader.safetensors_loader import iterate_tensors, sha256_of_tensors
 from metrale.loader.weights import load_weights
+from metrale.models.common import DecoderModel
 from metrale.models.dflash import DFlashDraftModel, DraftBlocks
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,15 @@ def checked_config(drafter_dir: str, target: ModelConfig, k: int) -> DFlashConfi
         raise ModelLoadError(f"num_speculative_tokens {k} is above what the DFlash drafter {drafter_dir!r} drafts in "
                              f"one pass: {config.max_drafts} (its block_size {config.block_size} - 1)")
     return config
+
+
+def check_trunk(target_model: nn.Module) -> None:
+    """The drafter reads the target's layer outputs, which the shared trunk (models/common.py's
+    DecoderModel.output_layers) keeps; a family with a trunk of its own is refused by name."""
+    if not isinstance(getattr(target_model, "model", None), DecoderModel):
+        architecture = getattr(getattr(target_model, "config", None), "architecture", type(target_model).__name__)
+        raise ModelLoadError(f"DFlash drafting reads the target's hidden states after chosen layers, and "
+                             f"{architecture}'s trunk does not expose them yet")
 
 
 def build_dflash_model(config: DFlashConfig, target: ModelConfig, device: torch.device) -> DFlashDraftModel:
@@ -70,6 +80,7 @@ class DFlashDrafter(RunnerDrafter):
 
     def __init__(self, target_model: nn.Module, drafter_dir: str, k: int):
         target: ModelConfig = target_model.config
+        check_trunk(target_model)
         config = checked_config(drafter_dir, target, k)
         device = target_model.model.embed_tokens.weight.device
         self.model = build_dflash_model(config, target, device)
@@ -109,6 +120,7 @@ def dflash_meta_model(target_meta_model: nn.Module, drafter_dir: str, k: int) ->
     """The drafter on the meta device (its config checked, no weights read): the memory plan
     counts its caches and its weights before anything loads."""
     target: ModelConfig = target_meta_model.config
+    check_trunk(target_meta_model)
     return build_dflash_model(checked_config(drafter_dir, target, k), target, torch.device("meta"))
 
 
