@@ -4,6 +4,9 @@ copied and released here, and nowhere else.
 Paged specs get [planes, num_blocks, block_size, *token_shape] (dimension 1 indexes blocks);
 state specs get [num_slots, *shape] per part, zeroed. The last slot is the padding slot: never
 given to a request, it absorbs the reads and writes of the rows a CUDA graph pads a batch with.
+With speculative decoding, the slots before it include max_num_seqs x k scratch rows, where a
+verify step keeps the state after each draft (the runner places them, `keep_accepted_states`
+selects from them).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import torch
 
 from metrale.executor.cache_layout import CacheLayout
 from metrale.layers.cache_spec import CachedLayer, PagedCacheSpec
+from metrale.layers.linear_attention.draft_states import keep_accepted_states
 
 
 class CacheTensors:
@@ -57,6 +61,12 @@ class CacheTensors:
         """A request's whole state, slot source -> destination, in every state cache."""
         for state, sources, destinations in _each(self.states, pairs):
             state[destinations] = state[sources]
+
+    def keep_accepted_states(self, slots: torch.Tensor, rows: torch.Tensor, num_drafts: torch.Tensor,
+                             num_accepted: torch.Tensor) -> None:
+        """After a verify step: each drafted request's slot takes the state of its last accepted
+        position, in every state cache (layers/linear_attention/draft_states.py)."""
+        keep_accepted_states(self.states, slots, rows, num_drafts, num_accepted)
 
     def release(self) -> None:
         for layer in self._layers:

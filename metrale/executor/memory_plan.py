@@ -5,7 +5,8 @@
                        at the largest step (max_num_batched_tokens) once the weights are in
     state slots        models with per-request state (linear attention): one slot per running
                        sequence, the prefix cache's checkpoints, and a padding slot, at
-                       state_bytes_per_slot
+                       state_bytes_per_slot; with speculative decoding also k scratch slots per
+                       running sequence (the state after each draft of a verify step)
     KV cache           what is left of the budget, in whole blocks, at kv_bytes_per_token
     budget             device total x --gpu-memory-utilization (CUDA), or --kv-cache-memory
 
@@ -53,6 +54,9 @@ class MemoryPlan:
     runtime_overhead_bytes: int = 0
     state_bytes_per_slot: int = 0  # 0: the model keeps no per-request state
     requested_checkpoint_slots: int | str = 0  # --state-checkpoint-slots: a count or "auto"
+    # Speculative decoding's k on a model with state: a verify step keeps each running sequence's
+    # state after each draft, in k scratch slots per sequence (layers/linear_attention/draft_states.py).
+    draft_slots_per_seq: int = 0
     # Resolved by fit_kv_blocks (and, for "auto" without state, from the KV capacity after it).
     max_num_seqs: int = 0
     num_checkpoint_slots: int = 0
@@ -82,8 +86,14 @@ class MemoryPlan:
         return self.max_num_seqs + self.num_checkpoint_slots if self.state_bytes_per_slot else 0
 
     @property
+    def num_draft_state_slots(self) -> int:
+        """Verify steps' scratch slots (speculative decoding), after the scheduler's slots."""
+        return self.max_num_seqs * self.draft_slots_per_seq if self.state_bytes_per_slot else 0
+
+    @property
     def state_cache_bytes(self) -> int:
-        return self.state_bytes_per_slot * (self.num_state_slots + 1) if self.state_bytes_per_slot else 0
+        return (self.state_bytes_per_slot * (self.num_state_slots + self.num_draft_state_slots + 1)
+                if self.state_bytes_per_slot else 0)
 
     @property
     def predicted_bytes(self) -> int:
@@ -92,7 +102,8 @@ class MemoryPlan:
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(kv_cache_bytes=self.kv_cache_bytes, kv_capacity_tokens=self.kv_capacity_tokens,
-                   num_state_slots=self.num_state_slots, state_cache_bytes=self.state_cache_bytes,
+                   num_state_slots=self.num_state_slots, num_draft_state_slots=self.num_draft_state_slots,
+                   state_cache_bytes=self.state_cache_bytes,
                    predicted_bytes=self.predicted_bytes)
         return out
 
@@ -112,7 +123,9 @@ class MemoryPlan:
             rows += [
                 ("state bytes per request", f"{self.state_bytes_per_slot:,}"),
                 ("state slots", f"{self.state_cache_bytes / GiB:.2f} GiB = {self.max_num_seqs} running + "
-                                f"{self.num_checkpoint_slots} prefix checkpoints + 1 padding"),
+                                f"{self.num_checkpoint_slots} prefix checkpoints + 1 padding"
+                                + (f" + {self.num_draft_state_slots} draft scratch ({self.max_num_seqs} x "
+                                   f"{self.draft_slots_per_seq})" if self.num_draft_state_slots else "")),
             ]
         rows += [
             ("context length", f"{self.max_model_len:,} tokens"),
@@ -167,12 +180,12 @@ def _typical_seq_tokens(max_model_len: int) -> int:
 def _resolve_state_slots(plan: MemoryPlan) -> None:
     """Running sequences and checkpoints of a model with per-request state, before the blocks:
     `auto` running sequences as many as fit at a quarter of the context each (KV and state, the
-    checkpoints counted in), between 8 and 1024, a multiple of 8; `auto` checkpoints a quarter of
+    checkpoints and the draft scratch slots counted in), between 8 and 1024, a multiple of 8; `auto` checkpoints a quarter of
     that, at least 8."""
     auto_checkpoints = plan.requested_checkpoint_slots == "auto"
     if plan.requested_max_num_seqs == "auto":
         per_seq = (_typical_seq_tokens(plan.max_model_len) * plan.kv_bytes_per_token
-                   + plan.state_bytes_per_slot * (1.25 if auto_checkpoints else 1.0))
+                   + plan.state_bytes_per_slot * ((1.25 if auto_checkpoints else 1.0) + plan.draft_slots_per_seq))
         fixed = plan.state_bytes_per_slot * (1 + (0 if auto_checkpoints else plan.requested_checkpoint_slots))
         plan.max_num_seqs = max(8, min(1024, int(max(0, _left_for_caches(plan) - fixed) // per_seq) // 8 * 8))
     else:

@@ -29,7 +29,7 @@ from metrale.executor.sampler import SampledTokens, SamplingRow, sample_tokens
 from metrale.kernels import kernel_path
 from metrale.layers.cache_backend import CacheBackend, get_backend
 from metrale.layers.cache_spec import cached_layers
-from metrale.layers.forward_context import BatchLayout, ForwardContext, set_forward_context
+from metrale.layers.forward_context import BatchLayout, DraftStates, ForwardContext, set_forward_context
 from metrale.messages.sampling_params import SamplingParams
 # A placeholder's value is on the device; the next step's input takes it there.
 from metrale.messages.scheduler_output import PLACEHOLDER, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -152,6 +152,7 @@ class ModelRunner:
         self.device = device
         self.block_size = cache_config.block_size
         self.drafter = drafter
+        self._draft_probs: dict[str, torch.Tensor] = {}  # request -> [k, vocab]: its drafts' q
         drafter_layers = drafter.cached_layers() if drafter is not None else []
         self.layers = cached_layers(model) + drafter_layers
         self.layout = CacheLayout.of(model, cache_config, drafter_layers)
@@ -165,6 +166,8 @@ class ModelRunner:
                                                   for kind in self.layout.kinds}
         self.requests: dict[str, RunnerRequest] = {}
         self.caches: CacheTensors | None = None
+        self.max_drafts = 0  # speculative decoding's k where verify steps keep per-draft state (allocate_caches)
+        self.draft_rows = (0, 0)  # (first scratch row, sequences it holds rows for)
         self._pin = device.type == "cuda"
         self.graphs = None  # DecodeGraphs, once captured
         self.verify_graphs = None  # VerifyGraphs, once captured (speculative decoding)
@@ -233,11 +236,17 @@ class ModelRunner:
 
     # -- the caches ----------------------------------------------------------------------------
 
-    def allocate_caches(self, num_blocks: int, num_state_slots: int) -> None:
+    def allocate_caches(self, num_blocks: int, num_state_slots: int, max_drafts: int = 0,
+                        max_num_seqs: int = 0) -> None:
         """The paged caches at `num_blocks` blocks, and `num_state_slots` request slots of state
-        (plus the padding slot) when the model keeps any."""
+        (plus the padding slot) when the model keeps any. `max_drafts` (speculative decoding's k)
+        adds max_num_seqs x k scratch rows after the request slots: a verify step's sequence at
+        batch index i keeps its state after draft j in row first + i * k + j (draft_states.py)."""
         self.release_caches()
-        slots = num_state_slots + 1 if self.layout.has_state else 0
+        has_state = self.layout.has_state
+        self.max_drafts = max_drafts if has_state else 0
+        self.draft_rows = (num_state_slots, max_num_seqs if self.max_drafts else 0)  # (first row, sequences)
+        slots = num_state_slots + self.draft_rows[1] * self.max_drafts + 1 if has_state else 0
         self.caches = CacheTensors(self.layers, self.layout, num_blocks, slots, self.device)
 
     def release_caches(self) -> None:
@@ -260,6 +269,7 @@ class ModelRunner:
     def apply_plan(self, plan: SchedulerOutput) -> None:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
+            self._draft_probs.pop(request_id, None)
             if self.matchers is not None:
                 self.matchers.remove(request_id)  # finished, aborted or preempted: a resumed one starts afresh
         for new in plan.new_requests:
@@ -332,10 +342,17 @@ class ModelRunner:
             wide["holes"] = holes
             wide["hole_rows"] = np.fromiter((self._last_rows[scheduled[i][0]] for i in seq_index[holes]),
                                             dtype=np.int64, count=holes.size)
+        narrow = {"tables": tables, "seq_lens": seq_lens, "query_start": query_start,
+                  "state_slots": np.fromiter((st.state_slot for _, st, _ in scheduled), dtype=np.int64,
+                                             count=num_seqs), "has_state": starts > 0}
+        num_drafts = None
+        if plan.draft_token_ids and self.layout.has_state:  # where the states after each draft go
+            num_drafts = np.fromiter((len(plan.draft_token_ids.get(rid, ())) for rid, _, _ in scheduled),
+                                     dtype=np.int64, count=num_seqs)
+            wide["drafted"] = np.flatnonzero(num_drafts)
+            narrow["num_drafts"], narrow["draft_rows"] = num_drafts, self._draft_rows(num_drafts)
         dev = self._upload(wide, torch.int64)
-        state_slots = np.fromiter((st.state_slot for _, st, _ in scheduled), dtype=np.int64, count=num_seqs)
-        dev.update(self._upload({"tables": tables, "seq_lens": seq_lens, "query_start": query_start,
-                                 "state_slots": state_slots, "has_state": starts > 0}, torch.int32))
+        dev.update(self._upload(narrow, torch.int32))
         if holes.size:
             dev["input_ids"][dev["holes"]] = self._last_tokens[dev["hole_rows"]]
         layout = BatchLayout(
@@ -344,6 +361,9 @@ class ModelRunner:
             has_initial_state=dev["has_state"], max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()), query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
             is_pure_decode=bool(query_lens.max() == 1 and starts.min() > 0))
+        if num_drafts is not None:
+            layout.drafts = DraftStates(dev["num_drafts"], dev["draft_rows"], dev["drafted"], self.max_drafts,
+                                        bool(starts.min() > 0 and (query_lens == 1 + num_drafts).all()))
         batch = BatchInputs(dev["input_ids"], layout, dev["logits_indices"], [scheduled[i][0] for i in sampled_rows],
                             logits_rows)
         if self.drafter is not None:
@@ -354,6 +374,17 @@ class ModelRunner:
             batch.sampled_seq_index = list(sampled_rows)
         return batch
 
+    def _draft_rows(self, num_drafts: np.ndarray) -> np.ndarray:
+        """[num_seqs, k] scratch rows of a verify step: batch index i's row for draft j, or the
+        padding slot where j >= its drafts (never written as a kept state, never read)."""
+        first, capacity = self.draft_rows
+        k = self.max_drafts
+        if not k or len(num_drafts) > capacity or int(num_drafts.max()) > k:
+            raise RuntimeError(f"a verify step of {len(num_drafts)} sequences with up to {int(num_drafts.max())} "
+                               f"drafts, but the state cache has scratch rows for {capacity} x {k}: "
+                               "allocate_caches(max_drafts=k, max_num_seqs=...) sizes them")
+        rows = first + np.arange(len(num_drafts))[:, None] * k + np.arange(k)[None, :]
+        return np.where(np.arange(k)[None, :] < num_drafts[:, None], rows, self.padding_slot)
 
     def forward(self, batch: BatchInputs) -> torch.Tensor:
         """The hidden states of every token of the batch."""
@@ -432,8 +463,16 @@ class ModelRunner:
         inputs = DraftInputs(layout, batch.input_ids, hidden, layer_hidden, next_ids, ids,
                              batch.sampled_seq_index, last_rows, num_accepted, tokens, batch.capacity,
                              self.forward_context, self.sampled_vocab_size)
-        return self.drafter.propose(inputs)
+        out = self.drafter.propose(inputs)
+        if out.probs is not None:  # kept until the request's next verify step reads them
+            self._draft_probs.update(zip(ids, out.probs))
+        return out
 
+    def _draft_q(self, request_id: str, num_drafts: int) -> torch.Tensor | None:
+        """The distributions a runner-side drafter drew the request's drafts from (None: point
+        masses). The scheduler verifies a prefix of the drafts the last step proposed."""
+        q = self._draft_probs.get(request_id)
+        return q[:num_drafts] if q is not None else None
 
     def _sample_and_verify(self, logits: torch.Tensor, batch: BatchInputs, states: list[RunnerRequest],
                            drafts: dict[str, list[int]]) -> tuple[SampledTokens, VerifiedDrafts]:
@@ -454,8 +493,13 @@ class ModelRunner:
                                           self._token_bitmask([ids[i] for i in plain], [states[i] for i in plain]))
             tokens[plain] = plain_sampled.tokens
         spec_logits = logits[[r for i in spec for r in batch.logits_rows[i]]]
-        num_accepted, spec_tokens = verify_drafts(spec_logits, [rows[i] for i in spec], [drafts[ids[i]] for i in spec])
+        num_accepted, spec_tokens = verify_drafts(spec_logits, [rows[i] for i in spec], [drafts[ids[i]] for i in spec],
+                                                  [self._draft_q(ids[i], len(drafts[ids[i]])) for i in spec])
         tokens[spec] = spec_tokens
+        kept = batch.layout.drafts
+        if kept is not None:  # the linear-attention state of the last accepted position (drafted: spec's order)
+            self.caches.keep_accepted_states(batch.layout.state_slots[kept.drafted], kept.state_rows[kept.drafted],
+                                             kept.num_drafts[kept.drafted], num_accepted)
         # Logprobs rows: requests that want them are never drafted, so they are all plain rows.
         want = [plain[i] for i in plain_sampled.want_logprobs] if plain_sampled is not None else []
         sampled = SampledTokens(tokens, rows, want, plain_sampled.raw_logprobs if plain_sampled is not None else None)

@@ -11,6 +11,11 @@ value columns) that reads its [key_dim, 32] block of the state once, applies the
 writes it back; the gates are computed in the same program. A negative slot is a padding row:
 its state is neither read nor written, its output is zero. It reads nothing on the host and is
 specialised on no count (CUDA graphs replay it at any batch size).
+
+The verify step of speculative decoding (`gated_delta_rule_verify_triton`) is the decode step
+over each sequence's 1 + k tokens in turn, keeping the state after each draft in a scratch row
+(layers/linear_attention/draft_states.py); reference:
+`reference_linear_attention.gated_delta_rule(..., draft_rows=...)`.
 """
 
 from __future__ import annotations
@@ -162,6 +167,93 @@ def gated_delta_rule_step_triton(q, k, v, a, b, A, dt_bias, recurrent_state, sta
         *recurrent_state.stride()[:2], out.stride(0), out.stride(1),
         group, key_dim ** -0.5,
         DK=key_dim, DV=value_dim, BV=bv, num_warps=4, **pdl_args(),
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- verify step
+
+
+@triton.jit
+def _verify_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_bias_ptr, state_ptr, slots_ptr, has_state_ptr, qsl_ptr,
+    num_drafts_ptr, rows_ptr, out_ptr,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_an, stride_bn,
+    stride_ss, stride_sh, stride_on, stride_oh, stride_rows,
+    group, scale,
+    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, DRAFTED_ONLY: tl.constexpr,
+):
+    # grid (num_seqs, value_heads, DV // BV). The decode step over each sequence's tokens in
+    # turn, its [DK, BV] state block held in registers: read once, written after each drafted
+    # position into that draft's scratch row, and after the last token into the slot. The state
+    # is rounded to its stored dtype after every token, as consecutive decode steps store it.
+    n = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // group
+    num_drafts = tl.load(num_drafts_ptr + n)
+    if DRAFTED_ONLY and num_drafts == 0:
+        return  # a prefill chunk or plain decode row: the chunked kernel computed it
+    kk = tl.arange(0, DK)
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    A = tl.load(A_ptr + hv).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
+    n64 = n.to(tl.int64)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    start = tl.load(qsl_ptr + n).to(tl.int64)
+    length = tl.load(qsl_ptr + n + 1) - tl.load(qsl_ptr + n)
+    block = hv * stride_sh + kk[:, None] * DV + vv[None, :]
+    s = tl.load(state_ptr + slot * stride_ss + block).to(tl.float32)
+    s = tl.where(tl.load(has_state_ptr + n) != 0, s, 0.0)
+    for j in range(0, length):
+        t64 = start + j
+        q = tl.load(q_ptr + t64 * stride_qn + hk * stride_qh + kk).to(tl.float32)
+        k = tl.load(k_ptr + t64 * stride_kn + hk * stride_kh + kk).to(tl.float32)
+        v = tl.load(v_ptr + t64 * stride_vn + hv * stride_vh + vv).to(tl.float32)
+        a = tl.load(a_ptr + t64 * stride_an + hv).to(tl.float32)
+        b = tl.load(b_ptr + t64 * stride_bn + hv).to(tl.float32)
+        g, beta = _gates(a, b, A, dt_bias, b_ptr.dtype.element_ty)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        decay = tl.exp(g)
+        sk = tl.sum(s * k[:, None], axis=0)
+        sq = tl.sum(s * q[:, None], axis=0)
+        delta = (v - decay * sk) * beta
+        s = (s * decay + k[:, None] * delta[None, :]).to(state_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + t64 * stride_on + hv * stride_oh + vv,
+                 (decay * sq + delta * tl.sum(k * q, axis=0)).to(out_ptr.dtype.element_ty))
+        if j < num_drafts:
+            row = tl.load(rows_ptr + n64 * stride_rows + j).to(tl.int64)
+            tl.store(state_ptr + row * stride_ss + block, s.to(state_ptr.dtype.element_ty))
+    tl.store(state_ptr + slot * stride_ss + block, s.to(state_ptr.dtype.element_ty))
+
+
+def gated_delta_rule_verify_triton(q, k, v, a, b, A, dt_bias, recurrent_state, state_slots, has_initial_state,
+                                   query_start_loc, num_drafts, state_rows, out=None) -> torch.Tensor:
+    """A verify step's gated delta rule (speculative decoding), token by token with the gating
+    fused in: q, k [num_tokens, key_heads, key_dim], v [num_tokens, value_heads, value_dim], a, b
+    [num_tokens, value_heads]. Sequence i's state after its position j < num_drafts[i] goes to
+    slot state_rows[i, j] (int32 [num_seqs, k]), after its last token to state_slots[i]
+    (layers/linear_attention/draft_states.py). Without `out`, every sequence is computed (a step
+    of decodes and verifies only) into a new tensor; with it, only the drafted sequences are,
+    into `out` (the chunked kernel computed the others)."""
+    group, key_dim, value_dim = _check_heads(q, k, v, recurrent_state)
+    value_heads = v.shape[1]
+    num_seqs = state_slots.shape[0]
+    assert a.shape == v.shape[:2] and b.shape == a.shape and a.stride(1) == 1 and b.stride(1) == 1
+    assert state_rows.shape[0] == num_seqs and state_rows.stride(1) == 1, state_rows.shape
+    drafted_only = out is not None
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if num_seqs == 0 or v.shape[0] == 0:
+        return out
+    bv = min(STATE_BV, value_dim)
+    _verify_kernel[(num_seqs, value_heads, value_dim // bv)](
+        q, k, v, a, b, A, dt_bias, recurrent_state, state_slots, has_initial_state, query_start_loc,
+        num_drafts, state_rows, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        *recurrent_state.stride()[:2], out.stride(0), out.stride(1), state_rows.stride(0),
+        group, key_dim ** -0.5,
+        DK=key_dim, DV=value_dim, BV=bv, DRAFTED_ONLY=drafted_only, num_warps=4,
     )
     return out
 

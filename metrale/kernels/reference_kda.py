@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from metrale.kernels.reference_linear_attention import l2norm
+from metrale.kernels.reference_linear_attention import l2norm, recurrent_keeping_drafts
 
 
 def kda_forget_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -94,10 +94,11 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 
 def kimi_delta_rule(q, k, v, g, beta, recurrent_state, query_start_loc, state_slots, has_initial_state,
-                    chunk_size: int = 64) -> torch.Tensor:
+                    chunk_size: int = 64, draft_rows: list[list[int]] | None = None) -> torch.Tensor:
     """KDA over each sequence (q, k L2-normalised here). A one-token step of a sequence with
     state takes the recurrent form, every other the chunked form (as transformers does). Returns
-    [num_tokens, heads, head_dim] in v's dtype; each sequence's final state goes to its slot."""
+    [num_tokens, heads, head_dim] in v's dtype; each sequence's final state goes to its slot.
+    `draft_rows`: a verify step's scratch rows, as reference_linear_attention.gated_delta_rule."""
     out = torch.empty_like(v)
     starts = query_start_loc.tolist()
     for i, (slot, has_state) in enumerate(zip(state_slots.tolist(), has_initial_state.tolist())):
@@ -108,7 +109,10 @@ def kimi_delta_rule(q, k, v, g, beta, recurrent_state, query_start_loc, state_sl
         vi, gi, bi = _heads_first(v[start:end]), _heads_first(g[start:end]), _heads_first(beta[start:end])
         shape = (v.shape[1], k.shape[2], v.shape[2])
         state = recurrent_state[slot].to(torch.float32) if has_state else vi.new_zeros(shape)
-        if has_state and end - start == 1:
+        if draft_rows is not None and draft_rows[i]:
+            o, state = recurrent_keeping_drafts(_recurrent_one, qi, ki, vi, gi, bi, state, recurrent_state,
+                                                draft_rows[i])
+        elif has_state and end - start == 1:
             o, state = _recurrent_one(qi, ki, vi, gi, bi, state)
         else:
             o, state = _chunked_one(qi, ki, vi, gi, bi, state, chunk_size)

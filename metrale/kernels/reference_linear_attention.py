@@ -19,7 +19,9 @@ Layout (shared with the kernels, see docs/kernels.md):
   has_initial_state bool  [num_seqs]                False: the sequence starts here (state zero,
                                                     whatever the slot holds)
 Every function reads a sequence's state from its slot and writes the state after its last
-token back there.
+token back there. In a verify step (speculative decoding) the delta rule also keeps a drafted
+sequence's state after each draft in scratch slots (`draft_rows`, layers/linear_attention/
+draft_states.py).
 """
 
 from __future__ import annotations
@@ -136,12 +138,29 @@ def _recurrent_one(q, k, v, g, beta, state):
     return out, state
 
 
+def recurrent_keeping_drafts(step, q, k, v, g, beta, state, recurrent_state, rows: list[int]):
+    """A verify step's drafted sequence (draft_states.py), token by token as its plain decode
+    steps would run it (`step`: the recurrent form, shapes as _chunked_one), the state rounded to
+    the cache's dtype between tokens as a decode step stores it; the state after position
+    j < len(rows) goes to slot rows[j]. Returns (out, final state)."""
+    outs = []
+    for t in range(k.shape[1]):
+        o, state = step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], beta[:, t:t + 1], state)
+        state = state.to(recurrent_state.dtype).to(torch.float32)
+        outs.append(o)
+        if t < len(rows):
+            recurrent_state[rows[t]] = state.to(recurrent_state.dtype)
+    return torch.cat(outs, dim=1), state
+
+
 def gated_delta_rule(q, k, v, g, beta, recurrent_state, query_start_loc, state_slots, has_initial_state,
-                     chunk_size: int = 64) -> torch.Tensor:
+                     chunk_size: int = 64, draft_rows: list[list[int]] | None = None) -> torch.Tensor:
     """The gated delta rule over each sequence, with q and k L2-normalised and q scaled by
     key_dim ** -0.5. A one-token step of a sequence with state takes the recurrent form, every
     other the chunked form (as transformers does). Returns [num_tokens, value_heads, value_dim]
-    in v's dtype; each sequence's final state goes back to its slot."""
+    in v's dtype; each sequence's final state goes back to its slot. `draft_rows` (a verify
+    step): sequence i's scratch rows, one per draft (none: not drafted); a drafted sequence runs
+    token by token and keeps its state after each draft there (recurrent_keeping_drafts)."""
     out = torch.empty_like(v)
     repeat = v.shape[1] // k.shape[1]
     starts = query_start_loc.tolist()
@@ -154,7 +173,10 @@ def gated_delta_rule(q, k, v, g, beta, recurrent_state, query_start_loc, state_s
         gi, bi = (t[start:end].t().to(torch.float32) for t in (g, beta))
         shape = (v.shape[1], k.shape[2], v.shape[2])
         state = recurrent_state[slot].to(torch.float32) if has_state else vi.new_zeros(shape)
-        if has_state and end - start == 1:
+        if draft_rows is not None and draft_rows[i]:
+            o, state = recurrent_keeping_drafts(_recurrent_one, qi, ki, vi, gi, bi, state, recurrent_state,
+                                                draft_rows[i])
+        elif has_state and end - start == 1:
             o, state = _recurrent_one(qi, ki, vi, gi, bi, state)
         else:
             o, state = _chunked_one(qi, ki, vi, gi, bi, state, chunk_size)

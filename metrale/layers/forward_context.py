@@ -19,6 +19,28 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class DraftStates:
+    """Where a verify step (speculative decoding) keeps the per-request state of a model with
+    linear-attention layers after each drafted position, so that the state of the last accepted
+    position can be selected once the rejection sampler has run (on the device, no host sync).
+
+    Sequence i of a verify step computes 1 + num_drafts[i] positions (its last token, then its
+    drafts). Every state backend writes its state after position j < num_drafts[i] into row
+    state_rows[i, j] of its state tensors, and the state after the last position into the
+    sequence's own slot, as in any step. Rows j >= num_drafts[i] name the padding slot (never
+    read). The shapes depend on the batch size and the configured k alone (`max_drafts`), not on
+    the drafts of the step."""
+
+    num_drafts: torch.Tensor  # int32 [num_seqs]; 0: not drafted this step
+    state_rows: torch.Tensor  # int32 [num_seqs, max_drafts]: the scratch rows of each sequence
+    drafted: torch.Tensor  # int64 [num_drafted]: batch indices of drafted sequences, in the rejection sampler's order
+    max_drafts: int  # k, fixed at startup
+    # Every sequence continues from its state and computes exactly 1 + num_drafts[i] tokens (the
+    # step holds decodes and verifies only, no prefill chunk).
+    all_continue: bool
+
+
+@dataclass
 class BatchLayout:
     """One step's flattened batch. Sequence i owns query rows query_start_loc[i]..[i+1]; those
     are the LAST query_len_i positions of a context of seq_lens[i] tokens (cached prefix + new
@@ -38,6 +60,9 @@ class BatchLayout:
     # One new token for every sequence, each continuing a computed context (a first token of a
     # one-token prompt is not a decode: it has no state to continue).
     is_pure_decode: bool
+    # A verify step of a model with per-request state: where the states after each drafted
+    # position go (None in every other step).
+    drafts: DraftStates | None = None
     # A verify step laid out for a CUDA graph (executor/cuda_graphs.py): every sequence owns
     # exactly `uniform_query_len` rows (i*q .. i*q+q-1), the first real_query_lens[i] real and
     # the rest dummy rows (slot -1, results ignored); seq_lens count the real tokens only, so

@@ -125,10 +125,6 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
     _set_programmatic_launch(args, device)
     plan = plan_memory(args, config, device)
     fit_kv_blocks(plan, args.num_kv_blocks)  # refuses a model that cannot fit, before allocating
-    if plan.state_bytes_per_slot and args.speculative_decoding is not None:  # before loading the weights
-        raise ValueError(f"speculative decoding is not supported for {config.architecture} yet: its per-request "
-                         "recurrent state (Gated DeltaNet / linear attention) has no rollback of rejected drafts "
-                         "(docs/speculative.md)")
 
     torch.manual_seed(args.seed)
     model = build_model(config, device, args.load_format, args.seed, show_progress=log.enabled)
@@ -180,13 +176,13 @@ def _size_caches(args, plan, runner, tokenizer, parallel, forward: str, log: Sta
     if runner.device.type == "cuda":
         measure_on_cuda(plan, runner, args, runner.device)
     fit_kv_blocks_on_every_rank(plan, args, parallel)
-    runner.allocate_caches(plan.num_kv_blocks, plan.num_state_slots)
+    runner.allocate_caches(plan.num_kv_blocks, plan.num_state_slots, plan.draft_slots_per_seq, plan.max_num_seqs)
     calibrate_fp8_scales(args, runner, tokenizer, plan)
     if forward == "graphs":
         spec = args.speculative_decoding
         runner.capture_cuda_graphs(plan.max_num_seqs, plan.max_model_len,
                                    spec.num_speculative_tokens if spec is not None else 0)
-    state = f", {plan.num_state_slots + 1} state slots ({plan.state_cache_bytes / 2**20:.0f} MiB)" \
+    state = f", {runner.caches.num_slots} state slots ({plan.state_cache_bytes / 2**20:.0f} MiB)" \
         if plan.state_bytes_per_slot else ""
     log.phase("kv cache", f"{plan.num_kv_blocks} blocks x {args.block_size} tokens "
                           f"({plan.kv_cache_bytes / 2**20:.0f} MiB, {plan.kv_bytes_per_token} B/token){state}, "

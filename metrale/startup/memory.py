@@ -62,9 +62,11 @@ def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
         overhead = 0
         budget = weights + activation + (args.kv_cache_memory or CPU_DEFAULT_KV_BYTES)
     checkpoints = args.state_checkpoint_slots if args.enable_prefix_caching else 0
+    spec = args.speculative_decoding
     return MemoryPlan(device.type, total, budget, weights, activation, False, layout.bytes_per_token,
                       args.block_size, config.max_model_len, args.max_num_seqs, runtime_overhead_bytes=overhead,
                       state_bytes_per_slot=layout.bytes_per_slot, requested_checkpoint_slots=checkpoints,
+                      draft_slots_per_seq=spec.num_speculative_tokens if spec is not None else 0,
                       cache_summary=layout.summary(),
                       weight_format=config.quantization.describe() if config.quantization is not None else "")
 

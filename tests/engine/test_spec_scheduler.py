@@ -173,9 +173,20 @@ def test_plan_with_drafts_crosses_the_wire():
     assert SchedulerOutput.from_wire(plan.to_wire()) == plan
 
 
-def test_models_with_state_refuse_speculation():
-    with pytest.raises(ValueError, match="per-request state"):
-        make_scheduler(num_state_slots=8)
+def test_verify_steps_of_models_with_state_save_no_checkpoint():
+    # A verify step's state includes its drafts until the runner keeps the accepted one's: a
+    # drafted request's step never carries a state save, its prefill chunks still do.
+    s = make_scheduler(num_state_slots=8, num_checkpoint_slots=4, enable_prefix_caching=True)
+    r = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2])  # then 3: "1 2 3" again, drafts 4 5 6
+    s.add_request(r)
+    saves = []
+    for _ in range(4):
+        plan, _ = s.schedule()
+        saves.append(plan.state_saves)
+        if plan.draft_token_ids:
+            break
+        s.update(plan, ModelRunnerOutput(sampled_token_ids={"a": 3} if r.num_pending else {}))
+    assert plan.draft_token_ids["a"] and any(saves[:-1]) and not saves[-1]
 
 
 def test_ngram_drafter():

@@ -1,12 +1,11 @@
 """Speculative decoding with the n-gram drafter on one engine: prefix hits, seeded sampled
-requests identical alone and batched, n = 2, the metrics, tp=2 on the CPU, and hybrid models
-refused by name."""
+requests identical alone and batched, n = 2, the metrics, tp=2 on the CPU (hybrid models:
+test_speculative_hybrid.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hybrid_checkpoints import make_hybrid_checkpoint
 from metrale import SamplingParams
 from speculative_cases import (assert_accepted_and_idle, checkpoint, engine, expected, greedy,  # noqa: F401
                                make_prompts)
@@ -51,12 +50,6 @@ def test_tensor_parallel_two_ranks(checkpoint, expected):
         assert_accepted_and_idle(llm)
     finally:
         llm.close()
-
-
-def test_models_with_recurrent_state_are_refused(tmp_path):
-    path = make_hybrid_checkpoint(str(tmp_path), "qwen3_next")
-    with pytest.raises(ValueError, match="not supported for Qwen3NextForCausalLM yet: its per-request recurrent state"):
-        engine(path)
 
 
 def test_stops_inside_a_verify_step_end_where_plain_decoding_ends(checkpoint, expected):

@@ -7,7 +7,6 @@ pure decode). Only the PyTorch backend exists, which is the reference.
 
 from __future__ import annotations
 
-import itertools
 from abc import abstractmethod
 
 import torch
@@ -23,8 +22,7 @@ class KDABackend(CacheBackend):
     kind = KIND
 
     def build_metadata(self, layout: BatchLayout) -> GDNMetadata:
-        return GDNMetadata(layout.query_start_loc, layout.state_slots, layout.has_initial_state,
-                           layout.is_pure_decode, [0, *itertools.accumulate(layout.query_lens_cpu)])
+        return GDNMetadata.of(layout)
 
     @abstractmethod
     def conv(self, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
