@@ -29,7 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from metrale.executor.rejection_sampler import verify_drafts
+from metrale.executor.sampler import SamplingRow
 from metrale.layers.forward_context import BatchLayout, set_forward_context
+from metrale.messages.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +175,22 @@ class VerifyGraphs(DecodeGraphs):
     """Verify steps of up to 1 + num_speculative_tokens rows per sequence (module docstring)."""
 
     kind = "verify"
+
+    def capture(self, pool=None):
+        pool = super().capture(pool)
+        self.warm_up_rejection_sampler()
+        return pool
+
+    def warm_up_rejection_sampler(self) -> None:
+        """Compile the rejection sampler's variants before the first request meets them: greedy
+        rows read the LM head's logits as they are, sampled rows filtered fp32 ones, at the
+        vocabulary the runner samples from."""
+        logits = self.logits[self.sizes[0]][:self.query_len]
+        logits = logits[:, :self.runner.sampled_vocab_size or logits.shape[1]].contiguous()
+        drafts = [[0] * (self.query_len - 1)]
+        for params in (SamplingParams(temperature=0), SamplingParams(temperature=1.0)):
+            verify_drafts(logits, [SamplingRow(params, 0, [0], 1)], drafts)
+        torch.cuda.synchronize(self.device)
 
     def can_run_step(self, layout: BatchLayout, num_sampled_rows: int) -> bool:
         return (layout.num_seqs <= self.max_batch
