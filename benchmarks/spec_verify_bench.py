@@ -14,8 +14,8 @@ For each batch size B (requests at --context-len tokens) it times, with CUDA eve
     sampler's greedy argmax, and the rejection sampler (kernels/rejection_sampling.py) for greedy
     and for sampled requests (temperature 0.7, top-p 0.9), k drafts each;
 and prints verify / plain (the forward alone) and (verify + rejection) / (plain + sampler) (the
-whole device step). In the engine a verify step of fewer drafts than the configured k replays
-the graph of k (dummy rows): its cost is the k row's.
+whole device step). In the engine a verify step replays the graph of its longest draft count
+(shorter ones padded with dummy rows), so its cost is that row's.
 """
 
 import argparse

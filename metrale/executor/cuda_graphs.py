@@ -8,10 +8,12 @@ with the extra rows padded: slot -1 (no KV write), sequence length 0 (no KV read
 state slot (state kinds read and write a slot no request owns).
 
 A verify step (requests with k drafts computed over 1 + k positions) has the same shape once
-every sequence is given the same number of query rows, q = 1 + num_speculative_tokens: sequence
-i owns rows i*q .. i*q+q-1, of which the first query_len_i are real (its last token and its
-drafts; a request without drafts in the step has one). The others are dummy rows: slot -1, the
-position of the sequence's last real row, results ignored (`VerifyRows`). The layout says so
+every sequence is given the same number of query rows q: sequence i owns rows i*q .. i*q+q-1,
+of which the first query_len_i are real (its last token and its drafts; a request without
+drafts in the step has one). The others are dummy rows: slot -1, the position of the sequence's
+last real row, results ignored (`VerifyRows`). Graphs are captured for every q from 2 to
+1 + num_speculative_tokens (`VerifyGraphSet`); a step takes the smallest q that holds its
+longest sequence, padding the shorter ones. The layout says so
 (BatchLayout.uniform_query_len, real_query_lens), and only backends that read it
 (`supports_verify_graphs`: the Triton attention and MLA backends, through their multi-query decode)
 take part: a model with another kind of cache (Gated DeltaNet state, DSA's indexer) verifies
@@ -176,11 +178,6 @@ class VerifyGraphs(DecodeGraphs):
 
     kind = "verify"
 
-    def capture(self, pool=None):
-        pool = super().capture(pool)
-        self.warm_up_rejection_sampler()
-        return pool
-
     def warm_up_rejection_sampler(self) -> None:
         """Compile the rejection sampler's variants before the first request meets them: greedy
         rows read the LM head's logits as they are, sampled rows filtered fp32 ones, at the
@@ -214,3 +211,37 @@ class VerifyGraphs(DecodeGraphs):
         self._copy_sequences(layout, batch)
         self.graphs[batch].replay()
         return self.logits[batch][rows["rows"]]
+
+
+class VerifyGraphSet:
+    """Verify graphs for every row count q = 2 .. 1 + k (one VerifyGraphs each, one memory pool):
+    a step replays the smallest q that holds its longest sequence, so a step of fewer drafts than
+    k does not pay for k (what lets the cost model choose a smaller k at larger batches)."""
+
+    def __init__(self, runner, max_num_seqs: int, num_speculative_tokens: int, max_blocks_per_seq: int,
+                 max_model_len: int):
+        self.by_rows = {1 + k: VerifyGraphs(runner, verify_capture_sizes(max_num_seqs, k), max_blocks_per_seq,
+                                            max_model_len, 1 + k)
+                        for k in range(1, num_speculative_tokens + 1)}
+        self.query_len = 1 + num_speculative_tokens  # the most rows a sequence may have
+
+    def capture(self, pool=None):
+        for graphs in reversed(self.by_rows.values()):  # the largest rows first: the rest fit in its pool
+            pool = graphs.capture(pool)
+        self.by_rows[self.query_len].warm_up_rejection_sampler()
+        return pool
+
+    def release(self) -> None:
+        for graphs in self.by_rows.values():
+            graphs.release()
+
+    def _pick(self, layout: BatchLayout) -> VerifyGraphs | None:
+        rows = max(layout.query_lens_cpu)
+        return next((g for q, g in self.by_rows.items() if q >= rows and layout.num_seqs <= g.max_batch), None)
+
+    def can_run_step(self, layout: BatchLayout, num_sampled_rows: int) -> bool:
+        graphs = self._pick(layout)
+        return graphs is not None and graphs.can_run_step(layout, num_sampled_rows)
+
+    def run(self, input_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        return self._pick(layout).run(input_ids, layout)

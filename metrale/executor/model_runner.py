@@ -170,7 +170,7 @@ class ModelRunner:
         self.draft_rows = (0, 0)  # (first scratch row, sequences it holds rows for)
         self._pin = device.type == "cuda"
         self.graphs = None  # DecodeGraphs, once captured
-        self.verify_graphs = None  # VerifyGraphs, once captured (speculative decoding)
+        self.verify_graphs = None  # VerifyGraphSet, once captured (speculative decoding)
         # The last launched step's sampled tokens on the device, and each request's row in them.
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
@@ -207,7 +207,7 @@ class ModelRunner:
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, num_speculative_tokens: int = 0) -> None:
         """Decode graphs, and verify graphs of 1 + num_speculative_tokens rows per sequence when
         speculating and every backend supports them (executor/cuda_graphs.py)."""
-        from metrale.executor.cuda_graphs import DecodeGraphs, VerifyGraphs, capture_sizes, verify_capture_sizes
+        from metrale.executor.cuda_graphs import DecodeGraphs, VerifyGraphSet, capture_sizes
 
         if not self.supports_cuda_graphs:
             return
@@ -217,8 +217,7 @@ class ModelRunner:
         if num_speculative_tokens and not self.supports_verify_graphs:
             logger.info("verify steps run eagerly: the %s backends have no verify graphs", self.backend_names)
         elif num_speculative_tokens:
-            self.verify_graphs = VerifyGraphs(self, verify_capture_sizes(max_num_seqs, num_speculative_tokens),
-                                              max_blocks, max_model_len, 1 + num_speculative_tokens)
+            self.verify_graphs = VerifyGraphSet(self, max_num_seqs, num_speculative_tokens, max_blocks, max_model_len)
             self.verify_graphs.capture(pool)
 
     def replay_graph(self, batch: "BatchInputs") -> torch.Tensor | None:

@@ -5,13 +5,14 @@ and MLA backends through the interpreter): the tokens are plain greedy decoding'
 
 from __future__ import annotations
 
-import numpy as np
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from metrale import LLM, SamplingParams
-from metrale.executor.cuda_graphs import (VerifyGraphs, capture_sizes, fits_verify_graph, verify_capture_sizes,
-                                          verify_rows)
+from metrale.executor.cuda_graphs import (VerifyGraphs, VerifyGraphSet, capture_sizes, fits_verify_graph,
+                                          verify_capture_sizes, verify_rows)
 from metrale.kernels import HAS_TRITON, interpret_mode
 from metrale.layers.cache_backend import get_backend
 from mla_checkpoints import make_mla_checkpoint
@@ -35,6 +36,30 @@ def test_fits_verify_graph():
     assert not fits_verify_graph([5, 1], [10, 5], 6, query_len=4)  # more rows than the graph's q
     assert not fits_verify_graph([3, 1], [10, 5], 2, query_len=4)  # a row whose logits are not sampled
     assert not fits_verify_graph([3, 2], [10, 2], 5, query_len=4)  # a sequence that starts here (a prefill)
+
+
+def _layout(query_lens, seq_lens):
+    from metrale.layers.forward_context import BatchLayout
+
+    n, rows = len(query_lens), sum(query_lens)
+    return BatchLayout(
+        positions=torch.zeros(rows, dtype=torch.int64), query_start_loc=torch.zeros(n + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=torch.zeros(n, 1, dtype=torch.int32),
+        slot_mapping=torch.zeros(rows, dtype=torch.int64), state_slots=torch.zeros(n, dtype=torch.int32),
+        has_initial_state=torch.ones(n, dtype=torch.int32), max_query_len=max(query_lens), max_seq_len=64,
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, is_pure_decode=False)
+
+
+def test_a_step_takes_the_smallest_verify_graph_that_holds_it():
+    runner = SimpleNamespace(model=None, device=torch.device("cpu"), padding_slot=0)
+    graphs = VerifyGraphSet(runner, max_num_seqs=16, num_speculative_tokens=3, max_blocks_per_seq=4, max_model_len=64)
+    assert sorted(graphs.by_rows) == [2, 3, 4] and graphs.query_len == 4
+    assert graphs.by_rows[2].sizes == [1, 2, 4, 8] and graphs.by_rows[4].sizes == [1, 2, 4]
+    assert graphs._pick(_layout([2, 1, 2], [9, 5, 7])) is graphs.by_rows[2]  # one draft at most: 2 rows
+    assert graphs._pick(_layout([4, 1], [9, 5])) is graphs.by_rows[4]
+    assert graphs._pick(_layout([2] * 6, [9] * 6)) is graphs.by_rows[2]  # 6 sequences: only q = 2 has 8
+    assert graphs._pick(_layout([3] * 6, [9] * 6)) is None and not graphs.can_run_step(_layout([3] * 6, [9] * 6), 18)
+    assert graphs.can_run_step(_layout([3, 1], [9, 5]), 4)
 
 
 def test_mla_verify_row_map():
