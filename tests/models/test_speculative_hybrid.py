@@ -6,33 +6,23 @@ of mixed lengths, chunked prefill with forced preemption, prefix hits resuming f
 checkpoints, n = 2, tensor parallel over two CPU ranks, and the Gated DeltaNet Triton backend
 (interpreter).
 
-The checkpoints are built with initializer_range 0.05: a tiny random model at the usual 0.2 is
-so chaotic that prompt lookup almost never guesses right; at 0.05 its continuations fall into
-short repeats now and then, so drafts are accepted in some steps and rejected in others (both
-asserted), while the context still decides the tokens.
+The checkpoints are built with initializer_range 0.05 (hybrid_checkpoints.SPEC_INITIALIZER_RANGE:
+drafts are then accepted in some steps and rejected in others, both asserted).
 """
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from checkpoints import load_reference, reference_greedy
-from hybrid_checkpoints import make_hybrid_checkpoint
+from hybrid_checkpoints import SPEC_INITIALIZER_RANGE, make_hybrid_checkpoint
+from hybrid_checkpoints import spec_prompts as make_prompts
 from metrale import LLM, SamplingParams
 
 FAMILIES = ["qwen3_next", "qwen3_5"]
 NEW_TOKENS = 24
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-
-def make_prompts() -> list[list[int]]:
-    rng = random.Random(0)
-    drawn = [[rng.randrange(3, 384) for _ in range(rng.choice([2, 5, 9, 20]))] for _ in range(12)]
-    # Prompts 6, 8 and 11 fall into repeats that prompt lookup drafts; 45 tokens cross block boundaries.
-    return [drawn[i] for i in (0, 3, 6, 8, 11)] + [[rng.randrange(3, 384) for _ in range(45)]]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +32,7 @@ def checkpoint(tmp_path_factory):
     def get(family):
         if family not in cache:
             cache[family] = make_hybrid_checkpoint(str(tmp_path_factory.mktemp(f"spec_{family}")), family,
-                                                   initializer_range=0.05)
+                                                   initializer_range=SPEC_INITIALIZER_RANGE)
         return cache[family]
 
     return get
