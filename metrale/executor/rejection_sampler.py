@@ -18,6 +18,12 @@ stream key (seed, output index).
   (keyed by seed and output index), so a seeded request gives the same tokens alone and batched.
   They are counter-based (kernels/rejection_sampling.counter_uniforms: a hash of the stream's key
   and the element), so the Triton kernel draws the same numbers as this reference.
+- Sampled, with the draft's distribution q (a drafter that drew its drafts from q_j, given as
+  `draft_probs`: [k, vocab] per request, over the same vocabulary as the logits): draft j is
+  accepted when u_j * q_j(d) < p_j(d) (probability min(1, p_j(d) / q_j(d))); at the first
+  rejection the token is drawn from max(p_j - q_j, 0), normalised; the bonus from p_k as above.
+  The same streams. With q = onehot(d) this is the point-mass rule exactly. Only this reference
+  takes q: a step with any q runs it (the Triton kernel takes point masses).
 
 `verify_drafts` is the PyTorch reference (on the logits' device, no host sync) where the kernels'
 path is the reference (CPU, `--forward reference`); elsewhere the same rule runs in the Triton
@@ -53,14 +59,17 @@ def _streams(device, seed: int, first_index: int, count: int, vocab: int, salt: 
     return -out.log() if vocab else out[:, 0]
 
 
-def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow],
-                  drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
+                  draft_probs: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [sum(1 + len(d) for d in drafts), vocab], each request's positions in order.
-    Returns (number of drafts accepted, the token after them), int64 [len(rows)] each, on the
-    logits' device."""
-    if use_triton(logits):
+    `draft_probs`: per request, the distributions its drafts were drawn from ([len(d), vocab]),
+    or None for point masses. Returns (number of drafts accepted, the token after them), int64
+    [len(rows)] each, on the logits' device."""
+    if draft_probs is not None and all(q is None for q in draft_probs):
+        draft_probs = None
+    if use_triton(logits) and draft_probs is None:
         return verify_drafts_triton(logits, rows, drafts)
-    return verify_drafts_reference(logits, rows, drafts)
+    return verify_drafts_reference(logits, rows, drafts, draft_probs)
 
 
 def verify_drafts_triton(logits: torch.Tensor, rows: list[SamplingRow],
@@ -109,9 +118,10 @@ def verify_drafts_triton(logits: torch.Tensor, rows: list[SamplingRow],
                                    row_draft_d)
 
 
-def verify_drafts_reference(logits: torch.Tensor, rows: list[SamplingRow],
-                            drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_drafts_reference(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
+                            draft_probs: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule in PyTorch, request by request (module docstring)."""
+    draft_probs = draft_probs if draft_probs is not None else [None] * len(rows)
     device = logits.device
     position_of = [position_rows(row, d) for row, d in zip(rows, drafts)]
     flat = [r for group in position_of for r in group]
@@ -120,7 +130,7 @@ def verify_drafts_reference(logits: torch.Tensor, rows: list[SamplingRow],
         _apply_penalties(logits, flat)
     accepted, tokens = [], []
     start = 0
-    for row, draft, group in zip(rows, drafts, position_of):
+    for row, draft, group, q in zip(rows, drafts, position_of, draft_probs):
         k = len(draft)
         block = logits[start:start + k + 1]
         start += k + 1
@@ -134,8 +144,20 @@ def verify_drafts_reference(logits: torch.Tensor, rows: list[SamplingRow],
         probs = _filter(block, group).softmax(dim=-1)
         index = row.num_output_tokens  # position j's output index: index + j
         uniforms = _streams(device, row.seed, index, k, 0, _ACCEPT_SALT)
-        accept = uniforms < probs[:k].gather(1, draft_ids[:, None]).squeeze(1)
+        p_draft = probs[:k].gather(1, draft_ids[:, None]).squeeze(1)
+        if q is None:
+            accept = uniforms < p_draft
+        else:
+            q = q.to(device=device, dtype=torch.float32)
+            accept = uniforms * q.gather(1, draft_ids[:, None]).squeeze(1) < p_draft
         num_accepted = accept.long().cumprod(dim=0).sum()
+        if q is not None:  # the residual max(p - q, 0) at each rejectable position; p_k for the bonus
+            residual = torch.cat([(probs[:k] - q).clamp(min=0.0), probs[k:]])
+            noise = _streams(device, row.seed, index, k + 1, probs.shape[1])
+            candidates = torch.where(residual > 0, residual.log() - noise.log(), float("-inf")).argmax(dim=-1)
+            accepted.append(num_accepted)
+            tokens.append(candidates[num_accepted])
+            continue
         # The token at each possible stop: the residual at a rejected position, p_k after all,
         # drawn by an exponential race: argmax of p / E = argmax of log p - log E.
         scores = _filter(block, group)

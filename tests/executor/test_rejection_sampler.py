@@ -77,3 +77,32 @@ def test_no_drafts_draws_from_the_plain_target():
     target = _filter(LOGITS[:1].clone(), rows[:1]).softmax(dim=-1)[0]
     assert num_accepted.tolist() == [0] * 2000
     assert chi_square(torch.bincount(tokens, minlength=VOCAB).float(), target) < CHI2_CRITICAL_DF5
+
+
+def test_drafts_drawn_from_q_give_the_target_distribution():
+    """A drafter that draws its drafts from distributions q (given to the sampler): accepted with
+    min(1, p/q), else the residual max(p - q, 0): each emitted token is still distributed as the
+    target's, and the first draft is accepted with probability sum(min(p, q))."""
+    params = SamplingParams(temperature=0.9, top_k=5, top_p=0.95, max_tokens=8)
+    num_seeds = 3000
+    q = torch.tensor([[0.05, 0.40, 0.30, 0.10, 0.10, 0.05],
+                      [0.20, 0.10, 0.50, 0.10, 0.05, 0.05]])
+    generator = torch.Generator().manual_seed(11)
+    drafts = torch.stack([torch.multinomial(q[j], num_seeds, replacement=True, generator=generator)
+                          for j in range(2)], dim=1).tolist()
+    rows = [SamplingRow(params, seed, [3, 4], 2) for seed in range(num_seeds)]
+    num_accepted, tokens = verify_drafts(LOGITS.repeat(num_seeds, 1), rows, drafts, [q] * num_seeds)
+    target = _filter(LOGITS.clone(), [rows[0]] * 3).softmax(dim=-1)
+    first_draft = torch.tensor([d[0] for d in drafts])
+    first = torch.where(num_accepted >= 1, first_draft, tokens)
+    assert chi_square(torch.bincount(first, minlength=VOCAB).float(), target[0]) < CHI2_CRITICAL_DF5
+    given = num_accepted >= 1
+    second_draft = torch.tensor([d[1] for d in drafts])[given]
+    second = torch.where(num_accepted[given] >= 2, second_draft, tokens[given])
+    assert chi_square(torch.bincount(second, minlength=VOCAB).float(), target[1]) < CHI2_CRITICAL_DF5
+    expected_rate = float(torch.minimum(target[0], q[0]).sum())
+    assert abs(float(given.float().mean()) - expected_rate) < 0.04
+    # A point-mass q is the n-gram rule exactly: the same tokens as without q.
+    one_hot = [torch.nn.functional.one_hot(torch.tensor(d), VOCAB).float() for d in drafts[:200]]
+    assert [t.tolist() for t in verify_drafts(LOGITS.repeat(200, 1), rows[:200], drafts[:200], one_hot)] == \
+        [t.tolist() for t in verify_drafts(LOGITS.repeat(200, 1), rows[:200], drafts[:200])]
