@@ -7,8 +7,10 @@ requests of random prompts are prefilled, and then, for each k of the grid, ever
 given exactly k drafts per step (a drafter that always proposes k tokens stands in for the
 configured one) and whole engine steps are timed: planning, the runner's verify step, the
 rejection sampler and the update, with `torch.cuda.Event`s on the GPU, after warm-up steps, the
-median of several. k = 0 is the plain decode step of the same engine. The drafter's own time is
-measured beside it: for the n-gram drafter, its lookup over the batch's real sequences.
+median of several. k = 0 is the plain decode step of the same engine. The drafter's own time:
+the n-gram drafter's lookups over the batch's real sequences are timed beside the steps (they run
+on the host when a step is planned); a runner-side drafter (MTP, DFlash) runs inside every step,
+after the rejection sampler, so its time is part of each step's (its draft_s column is 0).
 
 The table is keyed by the drafter's sha256 and the target's and device's identity
 (engine/spec_cost_identity.py); an engine refuses a table measured for anything else.
@@ -54,10 +56,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 class ForcedDrafter:
     """Proposes exactly k tokens (fewer only where the scheduler's limits cut them): the verify
-    step's shape is fixed, whatever the drafts say."""
+    step's shape is fixed, whatever the drafts say. `lookahead_tokens`: the KV slots the drafter
+    it stands in for writes past a step (a chained MTP drafter's), reserved as for it."""
 
-    def __init__(self, k: int):
-        self.k = k
+    def __init__(self, k: int, lookahead_tokens: int = 0):
+        self.k, self.lookahead_tokens = k, lookahead_tokens
 
     def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
         n = self.k if max_tokens is None else min(self.k, max_tokens)
@@ -67,24 +70,22 @@ class ForcedDrafter:
 def _measurement_args(engine_args, batch_sizes: list[int], draft_counts: list[int]):
     """The engine options of the run: the user's, with the configured drafter (ngram by default)
     drafting up to the grid's largest k, room for the largest batch's verify step in one step."""
-    from metrale.config.errors import OptionError
     from metrale.config.speculative_config import SpeculativeConfig
 
     spec = engine_args.speculative_decoding
     if spec is None:
         spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 1})
-    if spec.method != "ngram":
-        raise OptionError(f"spec-cost-table: drafter {spec.method!r} drafts in the runner, and its draft steps "
-                          "cannot be timed yet; the table is measured for the n-gram drafter only")
     max_batch, max_k = batch_sizes[-1], max(draft_counts[-1], 1)
+    drafter = {"method": spec.method, "num_speculative_tokens": max_k}
+    if spec.method == "ngram":
+        drafter.update(prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max)
+    if getattr(spec, "model", None):
+        drafter["model"] = spec.model  # DFlash's checkpoint directory
     device = "cuda" if engine_args.device == "auto" and _cuda_available() else engine_args.device
     budget = engine_args.step_token_budget("cuda" if device == "cuda" else "cpu")
     seqs = engine_args.max_num_seqs
     return dataclasses.replace(
-        engine_args, speculative_config={"method": "ngram", "num_speculative_tokens": max_k,
-                                         "prompt_lookup_min": spec.prompt_lookup_min,
-                                         "prompt_lookup_max": spec.prompt_lookup_max},
-        num_drafts=None, spec_cost_model=None, spec_cost_calibration=None,
+        engine_args, speculative_config=drafter, speculative=False, num_drafts=None, spec_cost_model=None, spec_cost_calibration=None,
         max_num_seqs=max(max_batch, seqs if isinstance(seqs, int) else 0),
         max_num_batched_tokens=max(budget, max_batch * (1 + max_k))), spec
 
@@ -126,6 +127,8 @@ def measure(engine, spec, batch_sizes: list[int], draft_counts: list[int], conte
 
     scheduler = engine.scheduler
     configured = scheduler.drafter
+    in_runner = getattr(configured, "runs_in_runner", False)
+    lookahead = getattr(configured, "lookahead_tokens", 0)
     timer = StepTimer(engine.device)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
@@ -140,7 +143,7 @@ def measure(engine, spec, batch_sizes: list[int], draft_counts: list[int], conte
         for batch in batch_sizes:
             params = SamplingParams(temperature=0, max_tokens=max_len - context_len, ignore_eos=True)
             ids = [f"cost-b{batch}-{i}" for i in range(batch)]
-            scheduler.drafter = ForcedDrafter(0)
+            scheduler.drafter = ForcedDrafter(0, lookahead)
             for rid in ids:
                 engine.add_request(rid, {"prompt_token_ids": [rng.randrange(vocab) for _ in range(context_len)]},
                                    params)
@@ -153,7 +156,7 @@ def measure(engine, spec, batch_sizes: list[int], draft_counts: list[int], conte
                                    "--context-len")
             verify_row, draft_row = [], []
             for k in draft_counts:
-                scheduler.drafter = ForcedDrafter(k)
+                scheduler.drafter = ForcedDrafter(k, lookahead)
                 times = []
                 for rep in range(warmup + repetitions):
                     before = scheduler.spec_stats.copy()
@@ -166,8 +169,11 @@ def measure(engine, spec, batch_sizes: list[int], draft_counts: list[int], conte
                     if rep >= warmup:
                         times.append(seconds)
                 verify_row.append(statistics.median(times))
-                draft_row.append(_ngram_draft_seconds(NgramDrafter(k, spec.prompt_lookup_min, spec.prompt_lookup_max),
-                                                      requests, repetitions) if k else 0.0)
+                if k and not in_runner:
+                    ngram = NgramDrafter(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                    draft_row.append(_ngram_draft_seconds(ngram, requests, repetitions))
+                else:
+                    draft_row.append(0.0)  # none, or inside every step (a runner-side drafter)
                 log(f"  batch {batch:4d}  k {k}: verify {verify_row[-1] * 1e3:9.3f} ms  "
                     f"({verify_row[-1] / verify_row[0]:.3f}x plain)  draft {draft_row[-1] * 1e3:8.3f} ms")
             for rid in ids:
@@ -226,6 +232,7 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
                 # The graphs a step replays follow from these (verify graphs hold 1 + k rows per
                 # sequence for k = num_speculative_tokens, batches up to max_num_seqs rows in all).
                 "num_speculative_tokens": spec_k(engine_args), "max_num_seqs": engine.scheduler.max_num_seqs,
+                "drafter_in_runner": getattr(engine.scheduler.drafter, "runs_in_runner", False),
                 "decode_graphs": getattr(runner, "graphs", None) is not None,
                 "verify_graphs": getattr(runner, "verify_graphs", None) is not None,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -108,6 +108,30 @@ def test_a_malformed_table_is_refused_by_name(measured, tmp_path):
         engine(path, broken)
 
 
+def test_a_runner_side_drafter_is_timed_inside_its_steps(tmp_path):
+    """DFlash drafts in the runner after every step: its table is keyed by the drafter checkpoint's
+    sha256, its draft time is part of each step's, and the engine that reads it decodes losslessly."""
+    from dflash_checkpoints import make_dflash_drafter, make_dflash_target
+
+    target = make_dflash_target(str(tmp_path / "target"))
+    drafter_dir = make_dflash_drafter(str(tmp_path / "drafter"), target)
+    spec = {"method": "dflash", "model": drafter_dir, "num_speculative_tokens": 2}
+    out = str(tmp_path / "table.json")
+    assert main(["benchmark", "spec-cost-table", "--model", target, "--device", "cpu", "--dtype", "float32",
+                 "--speculative-config", json.dumps(spec), "--batch-sizes", "1", "--draft-counts", "1,2",
+                 "--context-len", "8", "--warmup", "0", "--repetitions", "1", "-o", out]) == 0
+    table = CostTable.load(out)
+    assert table.recorded["drafter_in_runner"] and all(t == 0 for t in table.draft_s[0])
+    llm = LLM(target, dtype="float32", device="cpu", speculative_config=spec, spec_cost_model="measured",
+              spec_cost_calibration=out)
+    assert table.identity["drafter"] == {"method": "dflash", "sha256": llm.llm_engine.runner.drafter.sha256}
+    plain = LLM(target, dtype="float32", device="cpu")
+    prompts, params = [{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert sum(llm.llm_engine.scheduler.draft_length.steps_per_k.values()) > 0
+
+
 def test_bench_and_benchmark_name_one_command():
     parser = build_parser()
     a = parser.parse_args(["benchmark", "spec-cost-table", "-o", "t.json", "--batch-sizes", "4,1,2"])
