@@ -13,9 +13,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "metrale"
 # layer's other packages nor anything above.
 LAYERS = [
     ("config", "messages"),
-    ("kernels", "distributed", "structured"),
+    ("kernels", "distributed", "structured", "multimodal"),
     ("layers",),
-    ("models", "loader"),
+    ("models", "loader", "multimodal"),
     ("executor",),
     ("engine",),
     ("startup",),

@@ -1,0 +1,1 @@
+"""Images and video: the media fetch policy, fetching, decoding, and the processing the engine runs."""
