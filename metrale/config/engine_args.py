@@ -128,6 +128,22 @@ class EngineArgs:
                                                        "at block-aligned prompt positions, so that a prefix-cache hit "
                                                        "resumes from one; auto: max_num_seqs // 4, at least 8; 0 turns "
                                                        "prefix caching off for such models", parse=int_or_auto)
+    # Fetching media for image_url / video_url parts (docs/multimodal.md, "Fetching media: the policy").
+    allowed_media_domains: str | tuple = option("", "Comma-separated host names that media URLs may name (exact "
+                                                    "match, any port); empty: any host that resolves to public "
+                                                    "addresses only", parse=str)
+    allowed_local_media_path: str | None = option(None, "Directory whose files file:// media URLs may read (symlinks "
+                                                        "resolved; none may lead out); default: file:// refused")
+    media_allow_http: bool = option(False, "Fetch media over plain http too; default: https only")
+    media_allow_private_addresses: bool = option(False, "UNSAFE: fetch media from loopback, private, link-local and "
+                                                        "other non-public addresses (cloud metadata, internal "
+                                                        "services); for tests on loopback only")
+    media_max_bytes: int = option(20 << 20, "Largest image a media URL may hold, in bytes (fetched, data: or file://)")
+    media_max_video_bytes: int = option(256 << 20, "Largest video a media URL may hold, in bytes")
+    media_fetch_timeout: float = option(10.0, "Seconds one media fetch may take in all (DNS, redirects, the body); "
+                                              "connecting and each read wait at most 5 s of it")
+    media_max_image_pixels: int = option(64 << 20, "Largest image (width x height, read from its header before it "
+                                                   "is decoded) and video frame accepted")
     # Parallelism (docs/parallel.md). world = tp x ep (orthogonal mesh) or tp = ep = world (overlapping).
     tp_size: int = option(1, "Tensor-parallel ranks", aliases=("tensor_parallel_size", "-tp"))
     ep_size: int = option(1, "Expert-parallel ranks (MoE models)")
@@ -203,6 +219,11 @@ class EngineArgs:
                                  "'{\"method\": \"mtp\"}'); do not give --speculative-config too")
             self.speculative_config = {"method": "mtp"}
         self.speculative_decoding  # validates
+        for name in ("media_max_bytes", "media_max_video_bytes", "media_max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.media_fetch_timeout > 0:
+            raise ValueError(f"media_fetch_timeout must be > 0, got {self.media_fetch_timeout}")
         if not self.structured_outputs_timeout > 0:
             raise ValueError(f"structured_outputs_timeout must be > 0, got {self.structured_outputs_timeout}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
