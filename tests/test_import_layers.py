@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "metrale"
 # layer's other packages nor anything above.
 LAYERS = [
     ("config", "messages"),
-    ("kernels", "distributed", "structured", "multimodal"),
+    ("kernels", "distributed", "structured"),
     ("layers",),
     ("models", "loader", "multimodal"),
     ("executor",),
