@@ -7,6 +7,7 @@ choices are clear-cut rather than near-ties), saved with save_pretrained as safe
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 
@@ -112,6 +113,11 @@ def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[
     """transformers' greedy continuation with its own KV cache, never stopping at EOS."""
     # transformers >= 5.2x names the cache argument `cache`; older releases `past_key_values`.
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    if torch.cuda.is_available() and importlib.util.find_spec("fla") is not None:
+        # transformers' linear-attention families call fla's GPU kernels whenever it is importable
+        # and CUDA is there, also for this CPU model: the reference would break or change.
+        raise RuntimeError("fla is importable: transformers' CPU reference would run fla's GPU kernels; "
+                           "run the tests without fla-core installed")
     out = model(torch.tensor([prompt_ids]), use_cache=True)
     tokens = []
     for _ in range(max_new_tokens):
