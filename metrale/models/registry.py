@@ -22,6 +22,8 @@ _MODELS = {
     "Qwen3NextForCausalLM": ("metrale.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("metrale.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("metrale.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
+    # Vision-language (supports_multimodal, uses_mrope): layers/vision/ and models/qwen_vl_base.py.
+    "Qwen2_5_VLForConditionalGeneration": ("metrale.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 

@@ -102,7 +102,7 @@ class Attention(nn.Module):
         the Triton KV write leaves it, and not while fp8 scales are calibrated (which must see K
         and V)."""
         return (self.rotary is not None and use_triton(q) and backend.fused_prologue
-                and self.observed_amax is None)
+                and self.observed_amax is None and getattr(self.rotary, "fused_kernels", True))
 
     def _norms(self, q, k):
         if self._qk_norm is None:
@@ -113,7 +113,8 @@ class Attention(nn.Module):
     def _norm_and_rope(self, positions, q, k, fused_norm):
         if self.rotary is None:
             return self._norms(q, k)
-        if fused_norm is not None and use_triton(q):  # norms and RoPE in one launch, in place
+        # norms and RoPE in one launch, in place (not for a rotary of its own: M-RoPE, layers/mrope.py)
+        if fused_norm is not None and use_triton(q) and getattr(self.rotary, "fused_kernels", True):
             from metrale.kernels.qk_norm_rope import qk_norm_rope_triton
 
             rope = self.rotary

@@ -1,0 +1,68 @@
+"""Multimodal RoPE (M-RoPE) of the Qwen2-VL family: positions are three rows (temporal, height,
+width) per token, and each rotary frequency takes its angle from one of the rows.
+
+`mrope_section` = [n_t, n_h, n_w] frequencies (sum = rotary_dim / 2) say how many go to each row:
+- contiguous (Qwen2-VL, Qwen2.5-VL): frequencies [0, n_t) read row t, the next n_h row h, the
+  next n_w row w;
+- interleaved (Qwen3-VL, `mrope_interleaved`): frequency j reads row h when j % 3 == 1 and
+  j < 3 * n_h, row w when j % 3 == 2 and j < 3 * n_w, else row t.
+Either way the rotation itself is the ordinary neox one of RotaryEmbedding, over the same
+cos/sin cache, so a token whose three rows are equal (all text) is rotated exactly as by
+plain RoPE: one-row positions [T] are accepted and mean that.
+
+The fused Triton prologues of the Attention layer index the cache with one position per token;
+this rotary sets `fused_kernels = False` and the layer then calls it instead (norms, this
+rotation, the K/V write as separate steps).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.layers.rotary import RotaryEmbedding, _rotate_neox, rope_parameters
+
+
+def frequency_rows(mrope_section: list[int], interleaved: bool) -> torch.Tensor:
+    """[sum(mrope_section)] int64: the position row (0 t, 1 h, 2 w) each frequency reads."""
+    n = sum(mrope_section)
+    if not interleaved:
+        return torch.cat([torch.full((size,), i % 3, dtype=torch.int64) for i, size in enumerate(mrope_section)])
+    rows = torch.zeros(n, dtype=torch.int64)
+    for row in (1, 2):
+        rows[row:mrope_section[row] * 3:3] = row
+    return rows
+
+
+class _DefaultRope:
+    """A rope_parameters view where "mrope" (the 4.x configs' rope type) reads as "default":
+    M-RoPE changes which position each frequency reads, not the frequencies."""
+
+    def __init__(self, hf_config):
+        self.rope_parameters = dict(rope_parameters(hf_config), rope_type="default")
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    fused_kernels = False
+
+    def __init__(self, hf_config, head_dim: int, max_position: int, mrope_section: list[int],
+                 interleaved: bool):
+        params = rope_parameters(hf_config)
+        if params["rope_type"] not in ("default", "mrope"):
+            raise ValueError(f"M-RoPE with rope type {params['rope_type']!r} is not supported")
+        if sum(mrope_section) * 2 != head_dim:
+            raise ValueError(f"mrope_section {mrope_section} does not cover head_dim {head_dim} (sum * 2)")
+        super().__init__(_DefaultRope(hf_config), head_dim, max_position)
+        rows = frequency_rows(list(mrope_section), interleaved).to(self.cos_sin_cache.device)
+        # cos and sin halves of the cache read the same row per frequency.
+        self.register_buffer("cache_rows", torch.cat((rows, rows)), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions: int64 [3, T] (rows t, h, w) or [T] (all rows equal)."""
+        if positions.dim() == 1:
+            cos_sin = self.cos_sin_cache[positions]
+        else:
+            per_row = self.cos_sin_cache[positions]  # [3, T, rotary_dim]
+            index = self.cache_rows.view(1, 1, -1).expand(1, positions.shape[1], -1)
+            cos_sin = per_row.gather(0, index)[0]
+        cos, sin = cos_sin.to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+        return _rotate_neox(q, cos, sin), _rotate_neox(k, cos, sin)
