@@ -23,28 +23,32 @@ from metrale.multimodal.fetch_policy import MediaFetchPolicy
 _NEUTRAL_TYPES = ("", "application/octet-stream")
 
 
+def _a(modality: str) -> str:
+    return f"an {modality}" if modality[0] in "aeiou" else f"a {modality}"
+
+
 def read_data_url(url: str, modality: str, max_bytes: int) -> bytes:
-    header, comma, payload = url[len("data:"):].partition(",")
-    if not comma:
+    comma = url.find(",", 0, 1024)
+    if comma < 0:
         raise MediaError("the data: URL has no ',' before its payload")
-    params = [p.strip().lower() for p in header.split(";")]
+    params = [p.strip().lower() for p in url[len("data:"):comma].split(";")]
     media_type, is_base64 = params[0], params[-1] == "base64"
     if media_type not in _NEUTRAL_TYPES and not media_type.startswith(modality + "/"):
         raise MediaError(f"the data: URL declares type {media_type[:40]!r}, not {modality}/*")
+    # Measured before the payload is copied or decoded (+ 2: a trailing newline some clients send).
+    payload_chars = len(url) - comma - 1
+    if payload_chars > (4 * ((max_bytes + 2) // 3) + 2 if is_base64 else 3 * max_bytes):
+        raise MediaError(f"the data: URL holds more than the {max_bytes:,} bytes allowed for {_a(modality)}")
+    payload = url[comma + 1:]
     if is_base64:
-        payload = payload.strip()
-        if len(payload) > 4 * ((max_bytes + 2) // 3):
-            raise MediaError(f"the data: URL holds more than the {max_bytes:,} bytes allowed for a {modality}")
         try:
-            data = base64.b64decode(payload, validate=True)
+            data = base64.b64decode(payload.strip(), validate=True)
         except (binascii.Error, ValueError):
             raise MediaError("the data: URL's payload is not valid base64") from None
     else:
-        if len(payload) > 3 * max_bytes:
-            raise MediaError(f"the data: URL holds more than the {max_bytes:,} bytes allowed for a {modality}")
         data = unquote_to_bytes(payload)
     if len(data) > max_bytes:
-        raise MediaError(f"the data: URL holds more than the {max_bytes:,} bytes allowed for a {modality}")
+        raise MediaError(f"the data: URL holds more than the {max_bytes:,} bytes allowed for {_a(modality)}")
     if not data:
         raise MediaError("the data: URL is empty")
     return data
@@ -67,13 +71,14 @@ def read_file_url(url: str, modality: str, policy: MediaFetchPolicy) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         raise MediaError("the file:// URL names no readable file") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise MediaError("the file:// URL does not name a regular file")
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise MediaError("the file:// URL does not name a regular file")
         if info.st_size > max_bytes:
-            raise MediaError(f"the file is {info.st_size:,} bytes, more than the {max_bytes:,} allowed for a {modality}")
+            raise MediaError(f"the file is {info.st_size:,} bytes, more than the {max_bytes:,} allowed for {_a(modality)}")
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
-        raise MediaError(f"the file is more than the {max_bytes:,} bytes allowed for a {modality}")
+        raise MediaError(f"the file is more than the {max_bytes:,} bytes allowed for {_a(modality)}")
     return data
