@@ -17,7 +17,7 @@ import numpy as np
 from metrale.config.model_config import ModelConfig
 from metrale.layers.vision.qwen2_5_tower import Qwen2_5VisionTower
 from metrale.models.llama import Qwen2ForCausalLM
-from metrale.models.qwen_vl_base import QwenVLMixin, full_hf_config, use_mrope
+from metrale.models.qwen_vl_base import QwenVLMixin, full_hf_config, use_mrope, whole_config
 from metrale.models.qwen_vl_positions import mrope_positions
 
 
@@ -39,6 +39,7 @@ class Qwen2_5_VLForConditionalGeneration(QwenVLMixin, Qwen2ForCausalLM):
         """transformers' get_rope_index for one sequence; `hf_config` the checkpoint's whole config."""
         if video_kwargs:
             raise ValueError(f"unknown video argument(s) {sorted(video_kwargs)} (Qwen2.5-VL takes second_per_grid_ts)")
+        hf_config = whole_config(hf_config)
         vc = hf_config.vision_config
         intervals = None
         if video_grid_thw is not None and len(video_grid_thw):

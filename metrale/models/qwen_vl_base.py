@@ -34,6 +34,15 @@ def full_hf_config(config: ModelConfig):
     return full
 
 
+def whole_config(hf_config):
+    """`mrope_positions` needs the checkpoint's whole config (vision_config, placeholder ids): a
+    model's `vl_config`, or AutoConfig of the checkpoint; not ModelConfig.hf_config (the text part)."""
+    if getattr(hf_config, "vision_config", None) is None or getattr(hf_config, "image_token_id", None) is None:
+        raise ValueError(f"mrope_positions needs the checkpoint's whole config (with vision_config and "
+                         f"image_token_id; a VL model's `vl_config`), not {type(hf_config).__name__}")
+    return hf_config
+
+
 def use_mrope(attention: nn.Module, config: ModelConfig, default_section: list[int], interleaved: bool) -> nn.Module:
     """Swap a Llama-style attention's rotary for M-RoPE (the same frequencies)."""
     section = rope_parameters(config.hf_config).get("mrope_section") or default_section
