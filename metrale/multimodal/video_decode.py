@@ -83,7 +83,7 @@ def _probe(av, data: bytes, fmt: str, policy: VideoDecodePolicy) -> tuple[int, f
     (no decoding) when the container does not state it."""
     with av.open(io.BytesIO(data), format=fmt) as container:
         if not container.streams.video:
-            raise MediaError("the video has no video stream")
+            raise MediaError("the video could not be decoded (no video stream)")
         stream = container.streams.video[0]
         width, height = stream.codec_context.width, stream.codec_context.height
         if width * height > policy.max_frame_pixels:
