@@ -62,7 +62,7 @@ class QwenVLMixin:
 
     def setup_vision(self, full_config, tower: nn.Module, deepstack_layers: int) -> None:
         self.vl_config = full_config
-        self.visual = tower
+        self.visual = tower.requires_grad_(False)
         self.deepstack_layers = deepstack_layers
         self.merge_size = full_config.vision_config.spatial_merge_size
         if deepstack_layers > len(self.model.layers):
@@ -72,6 +72,13 @@ class QwenVLMixin:
             tie = getattr(self.config.hf_config, "tie_word_embeddings", False)
         if tie and not self.tied_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    def dummy_reference(self, text_config) -> dict:
+        """`--load-format dummy`: the names and shapes of transformers' whole model (vision too),
+        built on the meta device (AutoModelForCausalLM does not take a VL text config)."""
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText.from_config(self.vl_config).state_dict()
 
     @property
     def multimodal_width(self) -> int:

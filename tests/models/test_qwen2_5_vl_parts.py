@@ -188,3 +188,14 @@ def test_bad_inputs_are_refused_by_name(llm, reference, media):
         ours.mrope_positions(reference.config, ids, media.image_grid)
     with pytest.raises(ValueError, match="do not match"):
         MultiModalBatch(torch.zeros(3, 64), torch.tensor([True, False])).check(2, 64)
+
+
+def test_dummy_weights_cover_the_vision_tower(checkpoint, media):
+    """`--load-format dummy` (benchmarks): every tensor of the whole model, the tower's too."""
+    llm = LLM(checkpoint, dtype="float32", device="cpu", load_format="dummy")
+    model = _model(llm)
+    assert float(model.visual.patch_embed.proj.weight.abs().sum()) > 0
+    with torch.no_grad():
+        (rows,) = model.embed_multimodal("video", media.video_pixels, media.video_grid)
+    assert rows.shape == (media.tokens(media.video_grid[0]), 64) and torch.isfinite(rows).all()
+    assert len(greedy(llm, text_prompts())[2]) == NEW_TOKENS
