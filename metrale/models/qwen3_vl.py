@@ -21,7 +21,9 @@ import torch
 
 from metrale.config.model_config import ModelConfig, ModelLoadError
 from metrale.layers.vision.qwen3_tower import Qwen3VisionTower
+from metrale.layers.mlp import GatedMLP
 from metrale.models.qwen3 import Qwen3ForCausalLM
+from metrale.models.qwen3_moe import Qwen3MoeSparseBlock, is_sparse_layer
 from metrale.models.qwen_vl_base import QwenVLMixin, full_hf_config, use_mrope, whole_config
 from metrale.models.qwen_vl_positions import mrope_positions
 
@@ -67,3 +69,14 @@ class Qwen3VLForConditionalGeneration(QwenVLMixin, Qwen3ForCausalLM):
         return mrope_positions(input_ids, hf_config.image_token_id, hf_config.video_token_id,
                                hf_config.vision_config.spatial_merge_size, image_grid_thw, video_grid_thw,
                                frames_as_items=True)
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    """Qwen3-VL-MoE: the same model with Qwen3-MoE's sparse blocks (softmax top-k, always
+    renormalised, no shared expert) in the layers `is_sparse_layer` picks, on the shared FusedMoE."""
+
+    def make_layer(self, config: ModelConfig, layer_index: int):
+        hf = config.hf_config
+        mlp = (Qwen3MoeSparseBlock(config, renormalize=True) if is_sparse_layer(hf, layer_index)
+               else GatedMLP(config.hidden_size, hf.intermediate_size))
+        return self.decoder_layer(config, self.make_attention(config, layer_index), mlp)

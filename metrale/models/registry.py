@@ -25,6 +25,7 @@ _MODELS = {
     # Vision-language (supports_multimodal, uses_mrope): layers/vision/ and models/qwen_vl_base.py.
     "Qwen2_5_VLForConditionalGeneration": ("metrale.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("metrale.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen3VLMoeForConditionalGeneration": ("metrale.models.qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
 }
 
 

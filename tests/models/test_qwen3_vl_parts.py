@@ -8,6 +8,7 @@ learned 4x4 position table resampled to both grids; DeepStack after vision block
 - text-only prompts through `LLM` and a tp=2 engine == transformers' greedy;
 - an image + video prompt through `forward(multimodal=...)` (DeepStack added after decoder
   layers 0 and 1) in chunks of 16 == transformers' generate;
+- the MoE variant (Qwen3VLMoeForConditionalGeneration) likewise;
 - frame timestamps == the processor's.
 """
 
@@ -111,28 +112,56 @@ def test_text_only_greedy_matches_transformers(llm, reference):
     assert greedy(llm, text_prompts()) == expected
 
 
-def test_images_and_video_with_deepstack_through_forward_match_transformers(checkpoint, reference, media):
-    from metrale.models.qwen3_vl import Qwen3VLForConditionalGeneration as ours
-
+def _image_video_prompt(media):
     image0, image1 = (media.placeholder("image", g) for g in media.image_grid)
     video = media.placeholder("video", media.video_grid[0], frames_as_items=True)
-    ids = [5, 6] + image0 + [7] + video + [8] + image1 + [9, 10]
-    expected = reference_greedy_vl(reference, ids, NEW_TOKENS, pixel_values=media.image_pixels,
-                                   image_grid_thw=media.image_grid, pixel_values_videos=media.video_pixels,
-                                   video_grid_thw=media.video_grid.clone(), mm_token_type_ids=media.token_types(ids))
-    llm = LLM(checkpoint, dtype="float32", device="cpu", max_num_batched_tokens=16)
+    return [5, 6] + image0 + [7] + video + [8] + image1 + [9, 10]
+
+
+def _drive(llm, media, ids, embeds=None):
+    """The model of `llm` set to take `ids` with the test media (or `embeds`) in prompt order."""
     model = _model(llm)
-    positions, delta = ours.mrope_positions(model.vl_config, ids, media.image_grid, media.video_grid)
-    with torch.no_grad():
-        images = model.embed_multimodal("image", media.image_pixels, media.image_grid)
-        (clip,) = model.embed_multimodal("video", media.video_pixels, media.video_grid)
-    embeds = torch.cat([images[0], clip, images[1]])
+    positions, delta = model.mrope_positions(model.vl_config, ids, media.image_grid, media.video_grid)
+    if embeds is None:
+        with torch.no_grad():
+            images = model.embed_multimodal("image", media.image_pixels, media.image_grid)
+            (clip,) = model.embed_multimodal("video", media.video_pixels, media.video_grid)
+        embeds = torch.cat([images[0], clip, images[1]])
     drive_multimodal(model, ids, positions, delta, embeds, {media.ids["<|image_pad|>"], media.ids["<|video_pad|>"]})
+    return embeds
+
+
+def _expected(reference, media, ids):
+    return reference_greedy_vl(reference, ids, NEW_TOKENS, pixel_values=media.image_pixels,
+                               image_grid_thw=media.image_grid, pixel_values_videos=media.video_pixels,
+                               video_grid_thw=media.video_grid.clone(), mm_token_type_ids=media.token_types(ids))
+
+
+def test_images_and_video_with_deepstack_through_forward_match_transformers(checkpoint, reference, media):
+    ids = _image_video_prompt(media)
+    expected = _expected(reference, media, ids)
+    llm = LLM(checkpoint, dtype="float32", device="cpu", max_num_batched_tokens=16)
+    embeds = _drive(llm, media, ids)
     assert greedy(llm, [ids]) == [expected]
     # Without the DeepStack rows the continuation differs: they are used.
-    drive_multimodal(model, ids, positions, delta, torch.cat([embeds[:, :64], 0 * embeds[:, 64:]], dim=-1),
-                     {media.ids["<|image_pad|>"], media.ids["<|video_pad|>"]})
+    _drive(llm, media, ids, torch.cat([embeds[:, :64], 0 * embeds[:, 64:]], dim=-1))
     assert greedy(llm, [ids]) != [expected]
+
+
+def test_moe_variant_matches_transformers(tmp_path, media):
+    """Qwen3-VL-MoE (layer 1 sparse: 4 experts, top 2; transformers' stacked expert tensors):
+    text-only and image + video greedy == transformers."""
+    import transformers
+
+    path = make_vl_checkpoint(str(tmp_path / "moe"), "qwen3_vl_moe")
+    reference = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    ids = _image_video_prompt(media)
+    expected = _expected(reference, media, ids)
+    text = [reference_greedy(reference, p, NEW_TOKENS) for p in text_prompts()]
+    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=16)
+    assert greedy(llm, text_prompts()) == text
+    _drive(llm, media, ids)
+    assert greedy(llm, [ids]) == [expected]
 
 
 def test_tensor_parallel_text_only_matches_transformers(checkpoint, reference):

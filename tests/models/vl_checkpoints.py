@@ -31,6 +31,7 @@ CHAT_TEMPLATE = (
 FAMILIES = {
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor"),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor"),
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", "Qwen3VLProcessor"),
 }
 
 
@@ -52,6 +53,8 @@ def _text_fields(family: str, tie: bool) -> dict:
     else:
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                                      "mrope_interleaved": True}
+    if family == "qwen3_vl_moe":  # layer 0 dense, layer 1 sparse: 4 experts, top 2
+        fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2)
     return fields
 
 
