@@ -25,8 +25,10 @@ stream key (seed, output index).
   The same streams. With q = onehot(d) this is the point-mass rule exactly. Only this reference
   takes q: a step with any q runs it (the Triton kernel takes point masses).
 
-`verify_drafts` is the PyTorch reference (on the logits' device, no host sync) where the kernels'
-path is the reference (CPU, `--forward reference`); elsewhere the same rule runs in the Triton
+Greedy requests whose logits nothing changes take `verify_drafts_greedy` on every device (an
+argmax and a comparison). Otherwise `verify_drafts` is the PyTorch reference (on the logits'
+device, no host sync) where the kernels' path is the reference (CPU, `--forward reference`);
+elsewhere the same rule runs in the Triton
 kernel (kernels/rejection_sampling.py) after the sampler's own penalties and filters per position.
 """
 
@@ -67,9 +69,35 @@ def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[li
     [len(rows)] each, on the logits' device."""
     if draft_probs is not None and all(q is None for q in draft_probs):
         draft_probs = None
+    if draft_probs is None and all(r.params.greedy and not r.params.changes_logits for r in rows):
+        return verify_drafts_greedy(logits, drafts)
     if use_triton(logits) and draft_probs is None:
         return verify_drafts_triton(logits, rows, drafts)
     return verify_drafts_reference(logits, rows, drafts, draft_probs)
+
+
+def verify_drafts_greedy(logits: torch.Tensor, drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy rows whose logits nothing changes (no penalties, bias or min_tokens): the rule is
+    an argmax per position and a comparison, a handful of small launches and one upload on any
+    device (the general path's per-step host work costs a batch-1 verify step more than its
+    forward's extra rows). Returns what verify_drafts returns."""
+    counts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
+    starts = np.concatenate([[0], np.cumsum(counts + 1)[:-1]]).astype(np.int64)
+    width = int(counts.max()) + 1 if len(counts) else 1
+    # Request i's positions in a [B, width] grid; past its own 1 + k they repeat its last one,
+    # and its padded drafts are -1, which no argmax equals: the cumulative product stops there.
+    offsets = np.minimum(np.arange(width)[None, :], counts[:, None])
+    grid = starts[:, None] + offsets
+    padded = np.full((len(drafts), width - 1), -1, dtype=np.int64)
+    for i, d in enumerate(drafts):
+        padded[i, :len(d)] = d
+    host = torch.from_numpy(np.concatenate([grid.ravel(), padded.ravel()]))
+    both = host.to(logits.device, non_blocking=False)
+    grid_d = both[:grid.size].view(grid.shape)
+    drafts_d = both[grid.size:].view(padded.shape)
+    target = logits.argmax(dim=-1)[grid_d]  # the first maximum, as the plain sampler takes it
+    accepted = (target[:, :-1] == drafts_d).long().cumprod(dim=1).sum(dim=1)
+    return accepted, target.gather(1, accepted[:, None]).squeeze(1)
 
 
 def verify_drafts_triton(logits: torch.Tensor, rows: list[SamplingRow],

@@ -106,3 +106,23 @@ def test_drafts_drawn_from_q_give_the_target_distribution():
     one_hot = [torch.nn.functional.one_hot(torch.tensor(d), VOCAB).float() for d in drafts[:200]]
     assert [t.tolist() for t in verify_drafts(LOGITS.repeat(200, 1), rows[:200], drafts[:200], one_hot)] == \
         [t.tolist() for t in verify_drafts(LOGITS.repeat(200, 1), rows[:200], drafts[:200])]
+
+
+def test_greedy_fast_path_equals_the_reference_on_ragged_drafts():
+    from metrale.executor.rejection_sampler import verify_drafts_greedy, verify_drafts_reference
+
+    gen = torch.Generator().manual_seed(0)
+    counts = [3, 0, 1, 4, 2]
+    logits = torch.randn(sum(c + 1 for c in counts), 11, generator=gen)
+    argmax = logits.argmax(dim=-1).tolist()
+    drafts, start = [], 0
+    for i, c in enumerate(counts):  # request i's drafts match the argmax for its first i // 2
+        row = [argmax[start + j] if j < i // 2 else (argmax[start + j] + 1) % 11 for j in range(c)]
+        drafts.append(row)
+        start += c + 1
+    rows = [SamplingRow(SamplingParams(temperature=0), None, [1], 1) for _ in counts]
+    fast = verify_drafts_greedy(logits, drafts)
+    reference = verify_drafts_reference(logits, rows, drafts)
+    assert [t.tolist() for t in fast] == [t.tolist() for t in reference]
+    assert fast[0].tolist() == [0, 0, 1, 1, 2]  # some accepted, so the comparison can fail
+    assert verify_drafts_greedy(logits[:2], [[], []])[1].tolist() == argmax[:2]
