@@ -19,6 +19,9 @@ from metrale.config.engine_args import EngineArgs
 from metrale.engine.engine import LLMEngine, PromptType
 from metrale.messages.outputs import RequestOutput
 from metrale.messages.sampling_params import SamplingParams
+from metrale.multimodal.chat_parts import check_modalities, engine_modalities, split_content
+from metrale.multimodal.fetch_policy import MediaFetchPolicy
+from metrale.multimodal.media_loading import load_media_sync
 from metrale.startup import build_llm_engine
 
 _PROGRESS_BAR_MIN_PROMPTS = 8
@@ -54,6 +57,7 @@ class LLM:
         self.llm_engine = build_llm_engine(self.engine_args)
         self._ids = itertools.count()
         self._totals = _Totals()
+        self._fetch_policy: MediaFetchPolicy | None = None
         # Not a method of self: the finalizer must not keep the LLM alive.
         self._release = weakref.finalize(self, _release, self.llm_engine)
 
@@ -145,19 +149,45 @@ class LLM:
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template: str | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or to several,
-        each rendered with the tokenizer's chat template (or `chat_template`)."""
+        each rendered with the tokenizer's chat template (or `chat_template`). Content may be
+        OpenAI's parts: text, image_url (https, data: or file:// URLs under the media fetch policy
+        of this LLM's options), video_url, and vLLM's image_pil (a PIL image)."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer; this LLM runs without one (skip_tokenizer_init)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+            rendered, refs = self._split_media(conversation)
+            text = tokenizer.apply_chat_template(rendered, tokenize=False, chat_template=chat_template,
                                                  add_generation_prompt=add_generation_prompt,
                                                  continue_final_message=continue_final_message)
-            # The template writes any BOS itself: the tokenizer must not add another.
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            if refs:
+                # The engine's processor expands each media placeholder from the text.
+                prompts.append({"prompt": text, "multi_modal_data": load_media_sync(refs, self._media_policy())})
+            else:
+                # The template writes any BOS itself: the tokenizer must not add another.
+                prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _split_media(self, conversation: Conversation) -> tuple[Conversation, list]:
+        """The conversation as its template reads it, and its media (checked against the model)."""
+        rendered, refs = [], []
+        for i, message in enumerate(conversation):
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                content, message_refs = split_content(content, f"messages[{i}]", allow_objects=True)
+                message = dict(message, content=content)
+                refs += message_refs
+            rendered.append(message)
+        if refs:
+            check_modalities(refs, engine_modalities(self.llm_engine), self.engine_args.model or "demo")
+        return rendered, refs
+
+    def _media_policy(self) -> MediaFetchPolicy:
+        if self._fetch_policy is None:
+            self._fetch_policy = MediaFetchPolicy.from_engine_args(self.engine_args)
+        return self._fetch_policy
 
     def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
         engine = self.llm_engine

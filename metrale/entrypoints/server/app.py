@@ -35,7 +35,9 @@ from metrale.entrypoints.server.memory import MemoryReport
 from metrale.executor import oom_watchdog
 from metrale.startup import build_llm_engine
 from metrale.entrypoints.server.metrics import CONTENT_TYPE, ServerMetrics
-from metrale.entrypoints.server.prompts import PromptRenderer
+from metrale.entrypoints.server.prompts import MediaSupport, PromptRenderer, media_refs_of
+from metrale.multimodal.chat_parts import engine_modalities
+from metrale.multimodal.fetch_policy import MediaFetchPolicy
 from metrale.entrypoints.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  ProfileRequest, TokenizeRequest, check_template_kwargs)
 from metrale.entrypoints.server.state import Lifecycle, ModelInfo, ServerState
@@ -99,6 +101,11 @@ def build_app(state: ServerState) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of prompt and messages", "prompt")
         if body.messages is not None:
+            refs = media_refs_of(body.messages)
+            if refs:  # a count would miss every image's placeholder tokens
+                prompts.media.check(refs)
+                raise bad_request("/tokenize does not count the tokens of images and videos yet; send text "
+                                  "parts only", "messages")
             tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
             _, tokens = await prompts.render_chat(body.messages, bool(body.add_generation_prompt), tools=tools,
                                                   template_kwargs=check_template_kwargs(body.chat_template_kwargs))
@@ -181,6 +188,8 @@ async def _become_ready(state: ServerState, memory: list, started: float) -> Non
     try:
         state.prompts = await asyncio.to_thread(PromptRenderer.load, tokenizer_dir, llm.model_config.vocab_size,
                                                 llm.model_config.max_model_len)
+        state.prompts.media = MediaSupport(state.config.served_model_name, engine_modalities(llm),
+                                           state.media_policy or MediaFetchPolicy.from_engine_args(args))
         memory.append(MemoryReport(state.engine))
         state.metrics.on_ready(llm.runner.forward_mode, str(llm.device))
         oom_watchdog.start_for(llm, args.oom_watchdog_mib)
@@ -220,6 +229,7 @@ def run_server(args) -> int:
     try:
         engine_args = EngineArgs.from_cli_args(args)
         config = ServerConfig.from_cli_args(args)
+        media_policy = MediaFetchPolicy.from_engine_args(engine_args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -234,7 +244,7 @@ def run_server(args) -> int:
     profiler = StepProfiler(config.profile_dir) if config.profile_dir else None
     engine = AsyncEngine(functools.partial(build_llm_engine, engine_args, log_startup=True, reserved_cores=1),
                          max_waiting=config.max_waiting, observer=metrics, profiler=profiler)
-    state = ServerState(config, engine, metrics, Lifecycle())
+    state = ServerState(config, engine, metrics, Lifecycle(), media_policy=media_policy)
     uvicorn_config = uvicorn.Config(
         build_app(state), http=LimitedH11Protocol, ws="none", lifespan="on", log_config=None,
         log_level="info" if config.access_log else "warning", access_log=config.access_log,

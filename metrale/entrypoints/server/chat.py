@@ -41,7 +41,11 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                                 bool(body.continue_final_message), plan.template_tools,
                                                 check_template_kwargs(body.chat_template_kwargs))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    prompt = {"prompt": text, "prompt_token_ids": token_ids}
+    media = await prompts.load_media(body.messages)
+    # With media, the engine's processor expands each placeholder from the text: the ids of the
+    # template's text alone would be short of them.
+    prompt = ({"prompt": text, "prompt_token_ids": token_ids} if media is None
+              else {"prompt": text, "multi_modal_data": media})
     reply = _Reply(request_id, state.config.served_model_name, top_logprobs, bool(body.return_token_ids), plan, text)
 
     if body.stream:

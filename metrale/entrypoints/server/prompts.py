@@ -9,6 +9,10 @@ long lane, everything else the short one, so one huge prompt never delays anothe
 first token. The Rust tokenizer releases the GIL while it encodes, so neither lane holds up the
 event loop.
 
+Content parts (multimodal/chat_parts.py): text, image_url and video_url; media parts are refused
+(400, "model X does not take images") unless the engine takes them, and are fetched and decoded
+under the media fetch policy (`load_media`) only after the messages rendered.
+
 Bounds before work, cheapest first (the body-size cap of the gate comes before all of them):
 - a text longer in characters than the context could hold (max_model_len times the longest
   token's length) is refused without tokenizing it;
@@ -25,6 +29,9 @@ from dataclasses import dataclass
 
 from metrale.entrypoints.server.errors import bad_request
 from metrale.entrypoints.server.protocol import ChatMessage
+from metrale.multimodal.chat_parts import MediaRef, check_modalities, split_content
+from metrale.multimodal.fetch_policy import MediaFetchPolicy
+from metrale.multimodal.media_loading import load_media
 
 LONG_TEXT_CHARS = 32 * 1024
 PIECE_CHARS = 256 * 1024
@@ -41,17 +48,39 @@ def _object_arguments(text: str):
     return value if isinstance(value, dict) else None
 
 
-def _text_of(message: ChatMessage, i: int) -> str:
+def _parts_of(message: ChatMessage) -> list[dict]:
+    return [part.model_dump() for part in message.content]
+
+
+def _content_of(message: ChatMessage, i: int) -> str | list[dict]:
+    """The content the template sees: text parts joined, or, with media, the parts in order with
+    each image or video as {"type": "image"} / {"type": "video"} (multimodal/chat_parts.py)."""
     content = message.content
     if not isinstance(content, list):
         return content or ""
-    texts = []
-    for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            raise bad_request(f"content parts of type {part.type!r} are not supported; only text",
-                              f"messages[{i}].content[{j}]")
-        texts.append(part.text)
-    return "\n".join(texts)
+    return split_content(_parts_of(message), f"messages[{i}]")[0]
+
+
+def media_refs_of(messages: list[ChatMessage]) -> list[MediaRef]:
+    """The images and videos of the messages, in order; unknown part types refused by name."""
+    refs = []
+    for i, message in enumerate(messages):
+        if isinstance(message.content, list):
+            refs += split_content(_parts_of(message), f"messages[{i}]")[1]
+    return refs
+
+
+@dataclass(frozen=True)
+class MediaSupport:
+    """What the served model does with media. `modalities` empty: a text model, and every media
+    part is refused before anything is fetched."""
+
+    model_name: str
+    modalities: frozenset = frozenset()
+    policy: MediaFetchPolicy | None = None
+
+    def check(self, refs: list[MediaRef]) -> None:
+        check_modalities(refs, self.modalities, self.model_name)
 
 
 def messages_for_template(messages: list[ChatMessage], arguments_as_text: bool = False) -> list[dict]:
@@ -62,7 +91,7 @@ def messages_for_template(messages: list[ChatMessage], arguments_as_text: bool =
     rendered = []
     for i, message in enumerate(messages):
         role = "system" if message.role == "developer" else message.role
-        entry = {"role": role, "content": _text_of(message, i)}
+        entry = {"role": role, "content": _content_of(message, i)}
         if message.name is not None:
             entry["name"] = message.name
         if message.tool_calls:
@@ -114,6 +143,7 @@ class PromptRenderer:
                        for t, n in zip(tokenizers or [None, None], names)]
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
         self.max_prompt_chars = max_model_len * longest
+        self.media = MediaSupport("this model")  # set at ready time (app.py): until then, text only
 
     @classmethod
     def load(cls, path: str | None, vocab_size: int, max_model_len: int) -> "PromptRenderer":
@@ -201,6 +231,7 @@ class PromptRenderer:
         template."""
         if not messages:
             raise bad_request("messages must not be empty", "messages")
+        self.media.check(media_refs_of(messages))
         chars = sum(message_chars(m) for m in messages)
         self.check_length(chars, "messages")
         conversations = [messages_for_template(messages)]
@@ -208,6 +239,15 @@ class PromptRenderer:
             conversations.append(messages_for_template(messages, arguments_as_text=True))
         return await self._run(chars, self._render_chat, conversations, add_generation_prompt, continue_final_message,
                                tools, template_kwargs or {})
+
+    async def load_media(self, messages: list[ChatMessage]) -> dict[str, list] | None:
+        """The messages' images and videos fetched and decoded under the policy (the engine's
+        multi_modal_data), or None when they hold none. Each failure is a 400 naming the part."""
+        refs = media_refs_of(messages)
+        if not refs:
+            return None
+        self.media.check(refs)
+        return await load_media(refs, self.media.policy)
 
     # -- text <-> token ids ----------------------------------------------------------------------
 

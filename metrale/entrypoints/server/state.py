@@ -11,6 +11,7 @@ from metrale.entrypoints.server.args import ServerConfig
 from metrale.entrypoints.server.errors import APIError
 from metrale.entrypoints.server.metrics import ServerMetrics
 from metrale.entrypoints.server.prompts import PromptRenderer
+from metrale.multimodal.fetch_policy import MediaFetchPolicy
 
 
 @dataclass
@@ -48,6 +49,7 @@ class ServerState:
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     prompts: PromptRenderer | None = None
     model: ModelInfo | None = None
+    media_policy: MediaFetchPolicy | None = None  # from the flags, checked before the engine starts
 
     def require_ready(self) -> tuple[PromptRenderer, ModelInfo]:
         if self.engine.state not in (EngineState.LOADING, EngineState.READY):
