@@ -5,7 +5,8 @@
 #          rollback, DFlash, cost table) with the decode path's tests beside them;
 # bench:   benchmarks/spec_verify_bench.py (a verify step against a plain one) and
 #          `met benchmark spec-cost-table` on the Qwen3-8B config;
-# latency: batch-1 `met bench latency` plain and with n-gram drafts, demo model and Qwen3-8B config.
+# latency: batch-1 `met bench latency` plain and with n-gram drafts, demo model and Qwen3-8B config
+#          (after `bench`, also with --spec-cost-model measured over the table it wrote).
 # Install the carried wheels without fla-core: transformers' CPU references call fla's GPU kernels
 # whenever it is importable (tests/checkpoints.py refuses to run them so).
 # Everything lands in a temporary folder packed into $OUT/results.tgz (logs and JSON).
@@ -14,7 +15,8 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/met-spec}"
 mkdir -p "$OUT"
 W=$(mktemp -d)
-echo "${MET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" > "$W/commit.txt"
+export MET_COMMIT="${MET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+echo "$MET_COMMIT" > "$W/commit.txt"
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))' | tee "$W/device.txt"
 MET="python3 -m metrale.entrypoints.cli"  # a variable, not a function: `timeout` runs it
 Q8=metrale/model_configs/Qwen3-8B
@@ -40,13 +42,19 @@ for part in "$@"; do
       NG='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
       for model in demo Qwen3-8B; do
         extra=""; [ $model = Qwen3-8B ] && extra="--load-format dummy"
-        common="--model $model $extra --batch-size 1 --input-len 512 --output-len 128 --max-model-len 4096 --max-num-seqs 8"
+        common="--model $model $extra --batch-size 1 --input-len 512 --output-len 128 --max-model-len 2048 --max-num-seqs 8"
         timeout 100 $MET bench latency $common --output-json "$W/latency_${model}_plain.json" > "$W/latency_${model}_plain.log" 2>&1
         tail -4 "$W/latency_${model}_plain.log"
         timeout 100 $MET bench latency $common --speculative-config "$NG" \
           --output-json "$W/latency_${model}_ngram.json" > "$W/latency_${model}_ngram.log" 2>&1
         tail -5 "$W/latency_${model}_ngram.log"
-      done ;;
+      done
+      if [ -f "$W/spec_cost_qwen3_8b_h200.json" ]; then  # after `bench`: k chosen per step from the table
+        timeout 100 $MET bench latency $common --speculative-config "$NG" --spec-cost-model measured \
+          --spec-cost-calibration "$W/spec_cost_qwen3_8b_h200.json" \
+          --output-json "$W/latency_Qwen3-8B_ngram_measured.json" > "$W/latency_Qwen3-8B_ngram_measured.log" 2>&1
+        tail -5 "$W/latency_Qwen3-8B_ngram_measured.log"
+      fi ;;
   esac
 done
 tar -czf "$OUT/results.tgz" -C "$W" .

@@ -77,8 +77,10 @@ def provenance(args) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
+    # MET_COMMIT (the benchmark scripts set it) wins: a copy of the tree may carry another .git.
+    commit = os.environ.get("MET_COMMIT")
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
                                 capture_output=True, text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
