@@ -1,9 +1,9 @@
 """Bidirectional attention of a vision tower over packed items: tokens of several images, frames
 or windows back to back, each segment of `cu_seqlens` attending only within itself.
 
-This is the PyTorch reference path: one scaled_dot_product_attention per segment (as
-transformers' SDPA path does it). It is exact and runs on CPU and GPU; a varlen kernel for long
-videos is not written yet. The projections are replicated on every tensor-parallel rank.
+This is the PyTorch reference path: scaled_dot_product_attention per segment (as transformers'
+SDPA path does it), segments of equal length batched into one call. It runs on CPU and GPU; a
+varlen kernel (one launch for ragged segments) is not written yet. The projections are replicated on every tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -27,13 +27,18 @@ def rotate_vision(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
                       scale: float) -> torch.Tensor:
-    """q, k, v [tokens, heads, head_dim] -> [tokens, heads, head_dim], within each segment."""
+    """q, k, v [tokens, heads, head_dim] -> [tokens, heads, head_dim], within each segment.
+    Segments of one length (an image's full windows, a video's frames) run as one batched call."""
     out = torch.empty_like(q)
+    by_length: dict[int, list[int]] = {}
     for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        if end == start:
-            continue
-        part = [x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
-        out[start:end] = F.scaled_dot_product_attention(*part, scale=scale)[0].transpose(0, 1)
+        if end > start:
+            by_length.setdefault(end - start, []).append(start)
+    for length, starts in by_length.items():
+        rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
+        # [segments, heads, length, head_dim]
+        part = [x[rows].view(len(starts), length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)]
+        out[rows] = F.scaled_dot_product_attention(*part, scale=scale).transpose(1, 2).reshape(-1, *q.shape[1:])
     return out
 
 
