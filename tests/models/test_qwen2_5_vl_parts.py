@@ -4,7 +4,7 @@ processor (two images of 56x56 and 84x112 pixels, a 4-frame video = 2 temporal p
 - the vision tower (window attention, full-attention block, merger) == `model.visual`;
 - `mrope_positions` == `get_rope_index` (text only, 1 image, 2 images, image + video, a video
   with second_per_grid_ts);
-- text-only prompts through `LLM` (batched, chunked) and a tp=2 engine == transformers' greedy;
+- text-only prompts through `LLM` (batched, chunked, preempted) and a tp=2 engine == transformers' greedy;
 - an image + video prompt through the model's `forward(multimodal=...)` == transformers' greedy
   (the engine's plumbing stood in for by tests/models/vl_reference.py), with chunked prefill;
 - transformers 5.x checkpoint names and tied embeddings load; bad inputs are refused by name.
@@ -108,9 +108,13 @@ def test_mrope_positions_match_get_rope_index(reference, media, case):
         assert positions[0].max() > positions[1].max() - 3
 
 
-def test_text_only_greedy_matches_transformers(llm, reference):
+def test_text_only_greedy_matches_transformers(checkpoint, llm, reference):
     expected = [reference_greedy(reference, p, NEW_TOKENS) for p in text_prompts()]
     assert greedy(llm, text_prompts()) == expected
+    # 20 blocks of 4 = 80 slots for 98 tokens of requests: preempted and recomputed.
+    small = LLM(checkpoint, dtype="float32", device="cpu", num_kv_blocks=20, block_size=4, max_num_batched_tokens=32)
+    assert greedy(small, text_prompts()) == expected
+    assert small.llm_engine.scheduler.num_preemptions_total > 0
 
 
 def test_images_and_video_through_forward_match_transformers(checkpoint, reference, media):
