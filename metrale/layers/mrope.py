@@ -6,9 +6,9 @@ width) per token, and each rotary frequency takes its angle from one of the rows
   next n_w row w;
 - interleaved (Qwen3-VL, `mrope_interleaved`): frequency j reads row h when j % 3 == 1 and
   j < 3 * n_h, row w when j % 3 == 2 and j < 3 * n_w, else row t.
-Either way the rotation itself is the ordinary neox one of RotaryEmbedding, over the same
-cos/sin cache, so a token whose three rows are equal (all text) is rotated exactly as by
-plain RoPE: one-row positions [T] are accepted and mean that.
+Either way the rotation itself is the ordinary neox one of RotaryEmbedding with the same
+frequencies, so a token whose three rows are equal (all text) is rotated exactly as by plain
+RoPE: one-row positions [T] are accepted and mean that (and read the cos/sin cache).
 
 The fused Triton prologues of the Attention layer index the cache with one position per token;
 this rotary sets `fused_kernels = False` and the layer then calls it instead (norms, this
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.layers.rotary import RotaryEmbedding, _rotate_neox, rope_parameters
+from metrale.layers.rotary import RotaryEmbedding, _rotate_neox, inverse_frequencies, rope_parameters
 
 
 def frequency_rows(mrope_section: list[int], interleaved: bool) -> torch.Tensor:
@@ -52,17 +52,21 @@ class MRotaryEmbedding(RotaryEmbedding):
         if sum(mrope_section) * 2 != head_dim:
             raise ValueError(f"mrope_section {mrope_section} does not cover head_dim {head_dim} (sum * 2)")
         super().__init__(_DefaultRope(hf_config), head_dim, max_position)
-        rows = frequency_rows(list(mrope_section), interleaved).to(self.cos_sin_cache.device)
-        # cos and sin halves of the cache read the same row per frequency.
-        self.register_buffer("cache_rows", torch.cat((rows, rows)), persistent=False)
+        with torch.device("cpu"):
+            inv_freq, _ = inverse_frequencies(_DefaultRope(hf_config), head_dim)
+        device = self.cos_sin_cache.device
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.register_buffer("frequency_rows", frequency_rows(list(mrope_section), interleaved).to(device),
+                             persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions: int64 [3, T] (rows t, h, w) or [T] (all rows equal)."""
         if positions.dim() == 1:
-            cos_sin = self.cos_sin_cache[positions]
+            cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
         else:
-            per_row = self.cos_sin_cache[positions]  # [3, T, rotary_dim]
-            index = self.cache_rows.view(1, 1, -1).expand(1, positions.shape[1], -1)
-            cos_sin = per_row.gather(0, index)[0]
-        cos, sin = cos_sin.to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+            # The angles are computed, not looked up: a video's time row may run past the context
+            # length (positions grow by tokens_per_second per temporal patch, not per token). The
+            # product is the one the cache holds (float32 position x inverse frequency).
+            angles = positions.t()[:, self.frequency_rows].float() * self.inv_freq  # [T, rotary_dim / 2]
+            cos, sin = angles.cos().to(q.dtype).unsqueeze(1), angles.sin().to(q.dtype).unsqueeze(1)
         return _rotate_neox(q, cos, sin), _rotate_neox(k, cos, sin)

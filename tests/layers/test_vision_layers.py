@@ -64,7 +64,8 @@ def test_mrope_matches_transformers_rotary(family):
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding as Reference
         from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb as apply
     ours = MRotaryEmbedding(config, 16, 64, section, interleaved=family == "qwen3_vl")
-    positions = torch.tensor([[0, 1, 2, 9, 9, 9, 9, 13], [0, 1, 2, 3, 3, 4, 4, 13], [0, 1, 2, 3, 4, 3, 4, 13]])
+    # The last column is past the 64 positions of the cos/sin cache (a video's time row can be).
+    positions = torch.tensor([[0, 1, 2, 9, 9, 9, 9, 300], [0, 1, 2, 3, 3, 4, 4, 13], [0, 1, 2, 3, 4, 3, 4, 13]])
     q, k = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
     cos, sin = Reference(config)(q, positions[:, None, :])
     expected = apply(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)

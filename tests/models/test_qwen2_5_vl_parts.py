@@ -7,11 +7,13 @@ processor (two images of 56x56 and 84x112 pixels, a 4-frame video = 2 temporal p
 - text-only prompts through `LLM` (batched, chunked, preempted) and a tp=2 engine == transformers' greedy;
 - an image + video prompt through the model's `forward(multimodal=...)` == transformers' greedy
   (the engine's plumbing stood in for by tests/models/vl_reference.py), with chunked prefill;
-- transformers 5.x checkpoint names and tied embeddings load; bad inputs are refused by name.
+- transformers 5.x checkpoint names, a 4.x config.json and tied embeddings load; bad inputs are refused by name.
 """
 
+import json
 import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -142,8 +144,8 @@ def test_images_and_video_through_forward_match_transformers(checkpoint, referen
 
 
 def test_transformers_5_names_and_tied_embeddings_load(tmp_path, checkpoint, llm):
-    """The checkpoint rewritten in transformers 5.x's layout (model.visual.*, model.language_model.*)
-    gives the same tokens; a tied checkpoint (no lm_head tensor) ties."""
+    """The checkpoint rewritten in transformers 5.x's layout (model.visual.*, model.language_model.*),
+    or with a 4.x config.json, gives the same tokens; a tied checkpoint (no lm_head tensor) ties."""
     renamed = str(tmp_path / "v5")
     os.makedirs(renamed)
     for name in os.listdir(checkpoint):
@@ -155,6 +157,21 @@ def test_transformers_5_names_and_tied_embeddings_load(tmp_path, checkpoint, llm
     assert any(k.startswith("model.visual.") for k in v5) and any(k.startswith("model.language_model.") for k in v5)
     save_file(v5, os.path.join(renamed, "model.safetensors"))
     assert greedy(LLM(renamed, dtype="float32", device="cpu"), text_prompts()) == greedy(llm, text_prompts())
+
+    # The published checkpoints' 4.x config.json: text fields at the top, rope_scaling type "mrope".
+    legacy = str(tmp_path / "v4_config")
+    shutil.copytree(checkpoint, legacy)
+    with open(os.path.join(legacy, "config.json")) as f:
+        config = json.load(f)
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    for key in ("layer_types", "model_type", "dtype"):
+        text.pop(key, None)
+    config.update(text, rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    config["vision_config"].pop("rope_parameters")
+    with open(os.path.join(legacy, "config.json"), "w") as f:
+        json.dump(config, f)
+    assert greedy(LLM(legacy, dtype="float32", device="cpu"), text_prompts()) == greedy(llm, text_prompts())
 
     tied = make_vl_checkpoint(str(tmp_path / "tied"), "qwen2_5_vl", tie=True)
     import transformers
