@@ -145,3 +145,13 @@ def test_every_media_failure_is_a_400_naming_the_part():
             assert error.param == "messages[0].content[1].image_url" and "0x" not in error.message
             assert time.monotonic() - started < 2
         assert media.hits == []
+
+
+def test_a_bad_media_flag_stops_startup(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "metrale.entrypoints.cli", "serve", "--port", "0",
+                           "--allowed-local-media-path", str(tmp_path / "none")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "allowed_local_media_path" in proc.stderr and "is not a directory" in proc.stderr

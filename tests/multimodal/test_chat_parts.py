@@ -84,11 +84,13 @@ def test_load_media_fetches_decodes_and_names_the_part():
         base = f"http://127.0.0.1:{server.port}"
         refs = [MediaRef("image", f"{base}/png", "image_url", "messages[0].content[0]"),
                 MediaRef("image", PNG_URL, "image_url", "messages[0].content[1]"),
-                MediaRef("video", f"{base}/v.mp4", "video_url", "messages[0].content[2]")]
+                MediaRef("video", f"{base}/v.mp4", "video_url", "messages[0].content[2]"),
+                MediaRef("video", "data:video/mp4;base64," + base64.b64encode(video).decode(), "video_url", "m")]
         unsafe = MediaFetchPolicy(allow_http=True, allow_private_addresses=True)
         media = asyncio.run(load_media(refs, unsafe))
         assert [i.size for i in media["image"]] == [(7, 5), (7, 5)]
         assert isinstance(media["video"][0], DecodedVideo) and media["video"][0].frames.shape[1:] == (24, 32, 3)
+        assert media["video"][1].frame_indices == media["video"][0].frame_indices
         # The first failure is the error, prefixed by the part's field, with the part's place as param.
         with pytest.raises(MediaError) as info:
             asyncio.run(load_media(refs + [MediaRef("image", f"{base}/missing", "image_url", "messages[1].content[0]")],
