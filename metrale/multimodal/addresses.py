@@ -37,6 +37,14 @@ def _embedded_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
     return found
 
 
+def is_ip_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return False
+    return True
+
+
 def refusal_reason(address: str) -> str | None:
     """Why the fetcher must not connect to `address` (e.g. "loopback"), or None when it may.
     Text that is not an address is refused too."""

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from metrale.multimodal.addresses import refusal_reason
+from metrale.multimodal.addresses import is_ip_address, refusal_reason
 from metrale.multimodal.errors import MediaError
 from metrale.multimodal.fetch_policy import MediaFetchPolicy, normalize_host
 from metrale.multimodal.local_media import read_data_url, read_file_url
@@ -97,7 +97,7 @@ class _Target:
 
     async def checked_address(self, policy: MediaFetchPolicy) -> str:
         """The one address this hop connects to, after every address of the host passed."""
-        literal = refusal_reason(self.host) != "not an IP address"
+        literal = is_ip_address(self.host)
         if literal:
             addresses = [self.host]
         else:
