@@ -10,9 +10,9 @@ Either way the rotation itself is the ordinary neox one of RotaryEmbedding with 
 frequencies, so a token whose three rows are equal (all text) is rotated exactly as by plain
 RoPE: one-row positions [T] are accepted and mean that (and read the cos/sin cache).
 
-The fused Triton prologues of the Attention layer index the cache with one position per token;
-this rotary sets `fused_kernels = False` and the layer then calls it instead (norms, this
-rotation, the K/V write as separate steps).
+The fused Triton prologues of the Attention layer rotate token t by table[rows[t]]
+(`kernel_table`): for [3, T] positions the table is this step's own cos/sin per token and rows
+are 0..T-1, so the same kernels serve M-RoPE.
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ class _DefaultRope:
 
 
 class MRotaryEmbedding(RotaryEmbedding):
-    fused_kernels = False
-
     def __init__(self, hf_config, head_dim: int, max_position: int, mrope_section: list[int],
                  interleaved: bool):
         params = rope_parameters(hf_config)
@@ -59,14 +57,21 @@ class MRotaryEmbedding(RotaryEmbedding):
         self.register_buffer("frequency_rows", frequency_rows(list(mrope_section), interleaved).to(device),
                              persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T, rotary_dim] float32 (cos | sin) of positions [3, T]. Computed, not looked up: a
+        video's time row may run past the context length (it grows by tokens_per_second per
+        temporal patch, not per token). The product is the one the cache holds (float32 position
+        x inverse frequency), so inside the cache the values are the cache's."""
+        angles = positions.t()[:, self.frequency_rows].float() * self.inv_freq  # [T, rotary_dim / 2]
+        return torch.cat((angles.cos(), angles.sin()), dim=-1)
+
+    def kernel_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return positions, self.cos_sin_cache
+        return torch.arange(positions.shape[1], device=positions.device), self.cos_sin(positions)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions: int64 [3, T] (rows t, h, w) or [T] (all rows equal)."""
-        if positions.dim() == 1:
-            cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-        else:
-            # The angles are computed, not looked up: a video's time row may run past the context
-            # length (positions grow by tokens_per_second per temporal patch, not per token). The
-            # product is the one the cache holds (float32 position x inverse frequency).
-            angles = positions.t()[:, self.frequency_rows].float() * self.inv_freq  # [T, rotary_dim / 2]
-            cos, sin = angles.cos().to(q.dtype).unsqueeze(1), angles.sin().to(q.dtype).unsqueeze(1)
+        cos_sin = self.cos_sin_cache[positions] if positions.dim() == 1 else self.cos_sin(positions)
+        cos, sin = cos_sin.to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
         return _rotate_neox(q, cos, sin), _rotate_neox(k, cos, sin)

@@ -72,6 +72,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1),
                              persistent=False)
 
+    def kernel_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, table) for the fused kernels, which rotate token t by table[rows[t]] (first half
+        cos, second half sin): here the positions and the cache. M-RoPE (layers/mrope.py) gives a
+        table of the step's own angles instead."""
+        return positions, self.cos_sin_cache
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. Returns them rotated:
         in place on CUDA (the fused kernel), as new tensors elsewhere."""

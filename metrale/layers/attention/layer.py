@@ -83,7 +83,8 @@ class Attention(nn.Module):
             if fused_norm is None:
                 q, k = self._norms(q, k)
             rope = self.rotary
-            rope_store_kv_triton(positions, q, k, v, rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style,
+            rows, table = rope.kernel_table(positions)
+            rope_store_kv_triton(rows, q, k, v, table, rope.rotary_dim, rope.is_neox_style,
                                  qk_norm=fused_norm, kv_cache=self.kv_cache, slot_mapping=metadata.slot_mapping,
                                  k_scale=self.k_scale, v_scale=self.v_scale)
         else:
@@ -102,7 +103,7 @@ class Attention(nn.Module):
         the Triton KV write leaves it, and not while fp8 scales are calibrated (which must see K
         and V)."""
         return (self.rotary is not None and use_triton(q) and backend.fused_prologue
-                and self.observed_amax is None and getattr(self.rotary, "fused_kernels", True))
+                and self.observed_amax is None)
 
     def _norms(self, q, k):
         if self._qk_norm is None:
@@ -113,13 +114,12 @@ class Attention(nn.Module):
     def _norm_and_rope(self, positions, q, k, fused_norm):
         if self.rotary is None:
             return self._norms(q, k)
-        # norms and RoPE in one launch, in place (not for a rotary of its own: M-RoPE, layers/mrope.py)
-        if fused_norm is not None and use_triton(q) and getattr(self.rotary, "fused_kernels", True):
+        if fused_norm is not None and use_triton(q):  # norms and RoPE in one launch, in place
             from metrale.kernels.qk_norm_rope import qk_norm_rope_triton
 
             rope = self.rotary
-            return qk_norm_rope_triton(positions, q, k, *fused_norm, rope.cos_sin_cache, rope.rotary_dim,
-                                       rope.is_neox_style)
+            rows, table = rope.kernel_table(positions)
+            return qk_norm_rope_triton(rows, q, k, *fused_norm, table, rope.rotary_dim, rope.is_neox_style)
         return self.rotary(positions, *self._norms(q, k))
 
 
