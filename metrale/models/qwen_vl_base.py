@@ -119,4 +119,6 @@ class QwenVLMixin:
                 # The residual stream as transformers holds it (layer output), plus the features.
                 hidden, residual = hidden + residual, None
                 hidden[mask] = hidden[mask] + deepstack[i]
+            if i in model.output_layers:  # as DecoderModel keeps them, for a runner-side drafter
+                model.layer_outputs[i] = hidden if residual is None else hidden + residual
         return model.norm(hidden) if residual is None else model.norm(hidden, residual)[0]
