@@ -6,7 +6,7 @@ processor (two images of 56x56 and 84x112 pixels, a 4-frame video = 2 temporal p
   with second_per_grid_ts);
 - text-only prompts through `LLM` (batched, chunked, preempted) and a tp=2 engine == transformers' greedy;
 - an image + video prompt through the model's `forward(multimodal=...)` == transformers' greedy
-  (the engine's plumbing stood in for by tests/models/vl_reference.py), with chunked prefill;
+  (the engine's plumbing stood in for by tests/vl_reference.py), with chunked prefill;
 - transformers 5.x checkpoint names, a 4.x config.json and tied embeddings load; bad inputs are refused by name.
 """
 
