@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from metrale.config.errors import OptionError
 from metrale.config.quantization import SUPPORTED_METHODS
+from metrale.config.mtp_drafts import default_mtp_drafts
 from metrale.config.speculative_config import SpeculativeConfig
 
 
@@ -168,7 +169,8 @@ class EngineArgs:
                                                 "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' "
                                                 "(docs/speculative.md)", parse=str)
     speculative: bool = option(False, "Draft with the model's own MTP / next-n layers: speculative_config "
-                                      "'{\"method\": \"mtp\"}', k from --num-drafts (default 1)")
+                                      "'{\"method\": \"mtp\"}', k from --num-drafts (default: the model "
+                                      "family's, docs/speculative.md)")
     num_drafts: int | None = option(None, "Tokens a drafter proposes per step (speculative_config's "
                                           "num_speculative_tokens when that leaves it out)")
     spec_cost_model: str | None = option(None, "How many drafts a step verifies: static: num_speculative_tokens "
@@ -254,7 +256,8 @@ class EngineArgs:
     def speculative_decoding(self) -> SpeculativeConfig | None:
         """`speculative_config` (a dict, or a JSON object on the command line) parsed, or None."""
         return SpeculativeConfig.parse(self.speculative_config, self.num_drafts, self.spec_cost_model,
-                                       self.spec_cost_calibration)
+                                       self.spec_cost_calibration,
+                                       mtp_default_drafts=default_mtp_drafts(self.model, self.config_overrides))
 
     @property
     def kv_cache_skip_layers(self) -> frozenset[int]:

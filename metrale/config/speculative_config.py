@@ -17,8 +17,8 @@ from metrale.config.dflash_config import DFlashConfig
 NOT_BUILT_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "suffix")
 # Drafting with the target's own multi-token-prediction layers (executor/drafters/mtp.py).
 MTP_METHODS = ("mtp", "deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp")
-# k for MTP when neither num_speculative_tokens nor --num-drafts gives it: the published DeepSeek-V3
-# and GLM-4.5 checkpoints hold one next-n layer, trained for the token after the next.
+# k for MTP when neither num_speculative_tokens nor --num-drafts gives it and no checkpoint says
+# more: per model family, EngineArgs passes config/mtp_drafts.py's default_mtp_drafts.
 MTP_DEFAULT_DRAFTS = 1
 BUILT_METHODS = ("ngram", "dflash") + MTP_METHODS
 # Methods that draft with a checkpoint of their own, given as speculative_config's "model".
@@ -44,9 +44,11 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, value: str | dict | None, num_drafts: int | None = None, cost_model: str | None = None,
-              cost_calibration: str | None = None) -> "SpeculativeConfig | None":
+              cost_calibration: str | None = None,
+              mtp_default_drafts: int = MTP_DEFAULT_DRAFTS) -> "SpeculativeConfig | None":
         """From a dict or a JSON object (None or "" : no speculation). `num_drafts` (the
-        reference system's --num-drafts) gives k when the config leaves it out; `cost_model`
+        reference system's --num-drafts) gives k when the config leaves it out, and
+        `mtp_default_drafts` (the model family's) when both leave it out for MTP; `cost_model`
         and `cost_calibration` (--spec-cost-model, --spec-cost-calibration) likewise give the
         keys of the same names. ValueError names what is wrong."""
         if value is None or (isinstance(value, str) and not value.strip()):
@@ -76,7 +78,7 @@ class SpeculativeConfig:
                              f"got {method!r}")
         k = value.get("num_speculative_tokens", num_drafts)
         if k is None and method in MTP_METHODS:
-            k = MTP_DEFAULT_DRAFTS
+            k = mtp_default_drafts
         if num_drafts is not None and k != num_drafts:
             raise ValueError(f"num_drafts {num_drafts} and speculative_config's num_speculative_tokens {k} "
                              "disagree; give one")

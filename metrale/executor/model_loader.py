@@ -13,7 +13,7 @@ from metrale.loader.kv_scales import take_kv_scales
 from metrale.loader.safetensors_loader import count_tensors, iterate_tensors, sha256_of_tensors, tensor_locations
 from metrale.layers.deferred_weights import deferred_weights
 from metrale.loader.weights import init_dummy_weights, load_weights
-from metrale.models.mtp import checkpoint_tensor_names, declared_mtp_layers, mtp_prefixes
+from metrale.models.mtp import checkpoint_tensor_names, mtp_prefixes
 from metrale.models.registry import get_model_class
 from metrale.layers.quantization.apply import quantize_model
 
@@ -38,7 +38,9 @@ def construct_model(config: ModelConfig, device: torch.device, load_format: str 
     model_class = get_model_class(config.architecture)
     # Multi-token-prediction layers are built where the checkpoint holds them: its names, from
     # the headers (models/mtp.py); dummy weights never include them.
-    names = tensor_locations(config.model_dir) if load_format != "dummy" and declared_mtp_layers(config) else ()
+    # A family with MTP layers says how many its config declares (`declared_mtp_layers`).
+    declared = getattr(model_class, "declared_mtp_layers", None)
+    names = tensor_locations(config.model_dir) if load_format != "dummy" and declared and declared(config) else ()
     with torch.device(device), _default_dtype(config.dtype), deferred_weights(), checkpoint_tensor_names(names):
         model = model_class(config)
     quantize_model(model, config.quantization, device, config.dtype)
@@ -61,10 +63,10 @@ def build_model(config: ModelConfig, device: torch.device, load_format: str = "a
 def record_mtp_hash(model: torch.nn.Module, config: ModelConfig) -> None:
     """After loading: the multi-token-prediction tensors' sha256 as stored (models/mtp.py) on the
     model as `mtp_sha256`, logged."""
-    prefixes = mtp_prefixes(model, config)
+    prefixes = mtp_prefixes(model)
     if not prefixes:
         return
     model.mtp_tensor_count, model.mtp_sha256 = sha256_of_tensors(config.model_dir, prefixes)
     params = sum(p.numel() for p in model.mtp.parameters())
-    logger.info("MTP: %d layer(s), %d tensors, %.1fM parameters, sha256 %s (loaded, not run: the drafter comes "
-                "with speculative decoding)", len(prefixes), model.mtp_tensor_count, params / 1e6, model.mtp_sha256)
+    logger.info("MTP: %d layer(s), %d tensors, %.1fM parameters, sha256 %s (run by the MTP drafter of "
+                "speculative decoding only)", len(model.mtp), model.mtp_tensor_count, params / 1e6, model.mtp_sha256)

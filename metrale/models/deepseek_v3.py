@@ -42,7 +42,7 @@ from metrale.layers.moe import FusedMoE
 from metrale.layers.moe.router import Float32Router
 from metrale.layers.rotary import RotaryEmbedding, rope_parameters
 from metrale.models.common import CausalLM
-from metrale.models.mtp import attach_mtp_layers
+from metrale.models.mtp import attach_mtp_layers, declared_mtp_layers
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's, as the reference builds them
 
@@ -111,6 +111,7 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     stacked_params = [("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
     checkpoint_renames = ((".mlp.gate.e_score_correction_bias", ".mlp.experts.e_score_correction_bias"),)
+    declared_mtp_layers = staticmethod(declared_mtp_layers)  # num_nextn_predict_layers (models/mtp.py)
 
     def __init__(self, config: ModelConfig):
         unsupported = self.unsupported_options(config)

@@ -29,7 +29,9 @@ projections, q/k/v_conv1d apart, experts per expert), renamed onto ours; transfo
 in-memory names load too. `model.visual.*` (the vision tower) is skipped: met serves the text
 part, and a request with an image is refused by the server as for any text model. The MTP
 (next-n) layers past the trunk (`model.layers.{num_hidden_layers}.*`, transformers ignores them
-too) are skipped, not loaded or hashed.
+too) are skipped, not loaded or hashed: their layout under the hyper-connection streams (which
+streams the layer reads, whether it has its own hc mixing) is published nowhere met could check,
+so `method: "mtp"` is refused by name (`mtp_unavailable`) rather than guessed.
 
 Caches: the KDA layers a state slot each ("kda"), the MLA layers their latent ("mla"), the full
 indexed layers their pooled indexer keys and gate logits ("pooled_indexer"); all paged ones
@@ -176,6 +178,8 @@ class Glm5NextForCausalLM(nn.Module):
         mtp_layers = getattr(hf, "num_nextn_predict_layers", None) or 1
         self.ignored_checkpoint_prefixes = ("model.visual.", *(f"model.layers.{hf.num_hidden_layers + i}."
                                                                for i in range(mtp_layers)))
+        self.mtp_unavailable = ("GLM-5.3's next-n layer layout (model.layers.{N}.* under hyper-connection streams) "
+                                "is not published in a form met could verify, so it is not loaded")
         self.model = Glm5NextModel(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(hf, "tie_word_embeddings", False):

@@ -69,6 +69,19 @@ def checkpoint_tensor_names(names):
         _names.reset(token)
 
 
+def held_checkpoint_names() -> frozenset:
+    """The checkpoint tensor names `checkpoint_tensor_names` set (none outside it)."""
+    return _names.get()
+
+
+def mark_drafter_only(block: nn.Module) -> None:
+    """An MTP layer's stateful modules: `cached_layers` skips them, so without MTP drafting the
+    cache layout, the KV pool and the memory plan are as without MTP but for the weights' bytes."""
+    for module in block.modules():
+        if hasattr(module, "cache_specs"):
+            module.drafter_only = True
+
+
 def mtp_prefix(config: ModelConfig, i: int) -> str:
     return f"model.layers.{config.hf_config.num_hidden_layers + i}."
 
@@ -123,9 +136,7 @@ class MTPLayer(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden) if own_embedding else None
         self.shared_head = SharedHead(config, norm, own_head)
         self.block = block
-        for module in block.modules():
-            if hasattr(module, "cache_specs"):
-                module.drafter_only = True  # cached_layers skips it: no cache until the drafter runs
+        mark_drafter_only(block)
 
     def cached_layers(self) -> list:
         """Its decoder layer's stateful modules (attention, a DSA indexer), in order."""
@@ -159,13 +170,17 @@ def attach_mtp_layers(model: nn.Module, config: ModelConfig) -> None:
         model.checkpoint_renames = type(model).checkpoint_renames + mtp_checkpoint_renames(config, len(held))
     model.mtp_sha256 = None
     model.mtp_tensor_count = 0
+    model.mtp_checkpoint_prefixes = tuple(mtp_prefix(config, i) for i in range(len(held)))
     model.ignored_checkpoint_prefixes = tuple(mtp_prefix(config, i)
                                               for i in range(len(held), declared_mtp_layers(config)))
 
 
-def mtp_prefixes(model: nn.Module, config: ModelConfig) -> tuple[str, ...]:
-    """The checkpoint name prefixes of the MTP layers the model holds (none: ())."""
-    return tuple(mtp_prefix(config, i) for i in range(len(getattr(model, "mtp", ()))))
+def mtp_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """The checkpoint name prefixes of the MTP tensors the model holds, the ones hashed (none: ()).
+    Set by the family's attach (DeepSeek's `model.layers.{N + i}.`, Qwen's `mtp.`)."""
+    if not getattr(model, "mtp", None):
+        return ()
+    return getattr(model, "mtp_checkpoint_prefixes", ())
 
 
 def mtp_parameter_bytes(model: nn.Module) -> int:

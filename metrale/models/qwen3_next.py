@@ -8,8 +8,10 @@ sparse MoE blocks that add a gated shared expert.
               RMSNorm of each q and k head, RoPE on the first partial_rotary_factor of each head,
               attention, then out * sigmoid(gate) before o_proj.
 
-Every norm stores its weight zero-centred (scale 1 + w). Checkpoints carry `mtp.*` tensors, a
-multi-token-prediction head this model does not run (speculative decoding will).
+Every norm stores its weight zero-centred (scale 1 + w). The checkpoints' `mtp.*` tensors (a
+multi-token-prediction layer: a full-attention decoder layer with layer 0's MLP) load into
+`model.mtp` for the MTP drafter of speculative decoding (models/qwen_mtp.py); the main forward
+never runs them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from metrale.layers.norm import ZeroCentredRMSNorm
 from metrale.layers.rotary import RotaryEmbedding, rope_parameters
 from metrale.models.common import CausalLM
 from metrale.models.qwen3_moe import sparse_or_dense_mlp
+from metrale.models.qwen_mtp import attach_qwen_mtp_layers, declared_qwen_mtp_layers
 
 
 class GatedAttention(nn.Module):
@@ -66,8 +69,21 @@ class Qwen3NextForCausalLM(CausalLM):
     stacked_params = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
                       ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
                       ("in_proj", "in_proj_qkvz", "qkvz"), ("in_proj", "in_proj_ba", "ba")]
-    ignored_checkpoint_prefixes = ("mtp.",)
+    declared_mtp_layers = staticmethod(declared_qwen_mtp_layers)
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        attach_qwen_mtp_layers(self, config)
 
     def make_layer(self, config: ModelConfig, layer_index: int) -> nn.Module:
         mixer, name = token_mixer(config, layer_index)
         return self.decoder_layer(config, mixer, sparse_or_dense_mlp(config, layer_index), name)
+
+    def mtp_mlp(self, config: ModelConfig) -> nn.Module:
+        """The MTP layer's MLP: layer 0's kind (vLLM builds it from the layer's own index, 0)."""
+        return sparse_or_dense_mlp(config, 0)
+
+    def make_mtp_block(self, config: ModelConfig, cache_index: int) -> nn.Module:
+        """The MTP decoder layer: gated full attention whose cache is layer `cache_index`'s (no
+        trunk layer's number), the MLP of `mtp_mlp`."""
+        return self.decoder_layer(config, GatedAttention(config, cache_index), self.mtp_mlp(config), "self_attn")
