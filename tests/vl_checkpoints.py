@@ -32,6 +32,8 @@ FAMILIES = {
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor"),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor"),
     "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", "Qwen3VLProcessor"),
+    "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", "Qwen3VLProcessor"),
+    "qwen3_5_moe_vl": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", "Qwen3VLProcessor"),
 }
 
 
@@ -41,6 +43,8 @@ def _vision_fields(family: str) -> dict:
     if family == "qwen2_5_vl":
         # Block 0 full attention, block 1 windows of 2x2 merged units (56 px).
         return dict(common, hidden_act="silu", window_size=56, fullatt_block_indexes=[0], tokens_per_second=2)
+    if family.startswith("qwen3_5"):  # no DeepStack
+        return dict(common, hidden_act="gelu_pytorch_tanh", num_position_embeddings=16)
     return dict(common, hidden_act="gelu_pytorch_tanh", num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
 
 
@@ -55,7 +59,24 @@ def _text_fields(family: str, tie: bool) -> dict:
                                      "mrope_interleaved": True}
     if family == "qwen3_vl_moe":  # layer 0 dense, layer 1 sparse: 4 experts, top 2
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2)
+    if family == "qwen3_5_moe_vl":  # every layer MoE with a shared expert
+        fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48)
+    if family.startswith("qwen3_5"):  # layer 0 Gated DeltaNet, layer 1 gated attention (rotary on half of each head)
+        fields.update(head_dim=32, full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+        fields["rope_parameters"] = dict(fields["rope_parameters"], partial_rotary_factor=0.5)
     return fields
+
+
+def _perturb_hybrid(model) -> None:
+    """As hybrid_checkpoints.py: zero-centred norms and decay parameters off their init values."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.randn(param.shape) * 0.3)
+            elif name.endswith(("A_log", "dt_bias")):
+                param.copy_(torch.randn(param.shape) * 0.5)
 
 
 def make_vl_checkpoint(path: str, family: str = "qwen2_5_vl", tie: bool = False, seed: int = 0) -> str:
@@ -78,6 +99,8 @@ def make_vl_checkpoint(path: str, family: str = "qwen2_5_vl", tie: bool = False,
     config.architectures = [model_name]
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).float().eval()
+    if family.startswith("qwen3_5"):
+        _perturb_hybrid(model)
     model.save_pretrained(path, safe_serialization=True)
     image_processor = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
                                                min_pixels=56 * 56, max_pixels=28 * 28 * 64)

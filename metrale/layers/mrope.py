@@ -43,15 +43,18 @@ class _DefaultRope:
 
 class MRotaryEmbedding(RotaryEmbedding):
     def __init__(self, hf_config, head_dim: int, max_position: int, mrope_section: list[int],
-                 interleaved: bool):
+                 interleaved: bool, rotary_dim: int | None = None):
+        """`rotary_dim` < head_dim: only the first rotary_dim features of each head turn (Qwen3.5's
+        partial rotary); the sections cover rotary_dim / 2 frequencies."""
         params = rope_parameters(hf_config)
         if params["rope_type"] not in ("default", "mrope"):
             raise ValueError(f"M-RoPE with rope type {params['rope_type']!r} is not supported")
-        if sum(mrope_section) * 2 != head_dim:
-            raise ValueError(f"mrope_section {mrope_section} does not cover head_dim {head_dim} (sum * 2)")
-        super().__init__(_DefaultRope(hf_config), head_dim, max_position)
+        rotary_dim = rotary_dim or head_dim
+        if sum(mrope_section) * 2 != rotary_dim:
+            raise ValueError(f"mrope_section {mrope_section} does not cover the rotary dim {rotary_dim} (sum * 2)")
+        super().__init__(_DefaultRope(hf_config), head_dim, max_position, rotary_dim=rotary_dim)
         with torch.device("cpu"):
-            inv_freq, _ = inverse_frequencies(_DefaultRope(hf_config), head_dim)
+            inv_freq, _ = inverse_frequencies(_DefaultRope(hf_config), rotary_dim)
         device = self.cos_sin_cache.device
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.register_buffer("frequency_rows", frequency_rows(list(mrope_section), interleaved).to(device),
@@ -74,4 +77,4 @@ class MRotaryEmbedding(RotaryEmbedding):
         """positions: int64 [3, T] (rows t, h, w) or [T] (all rows equal)."""
         cos_sin = self.cos_sin_cache[positions] if positions.dim() == 1 else self.cos_sin(positions)
         cos, sin = cos_sin.to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return _rotate_neox(q, cos, sin), _rotate_neox(k, cos, sin)
+        return self._apply(q, cos, sin, _rotate_neox), self._apply(k, cos, sin, _rotate_neox)

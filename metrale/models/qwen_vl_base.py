@@ -44,9 +44,11 @@ def whole_config(hf_config):
 
 
 def use_mrope(attention: nn.Module, config: ModelConfig, default_section: list[int], interleaved: bool) -> nn.Module:
-    """Swap a Llama-style attention's rotary for M-RoPE (the same frequencies)."""
+    """Swap an attention's rotary (`rotary_emb`, also its Attention layer's) for M-RoPE: the same
+    frequencies and rotary dim."""
     section = rope_parameters(config.hf_config).get("mrope_section") or default_section
-    rotary = MRotaryEmbedding(config.hf_config, config.head_dim, config.max_model_len, list(section), interleaved)
+    rotary = MRotaryEmbedding(config.hf_config, config.head_dim, config.max_model_len, list(section), interleaved,
+                              rotary_dim=attention.rotary_emb.rotary_dim)
     attention.rotary_emb = rotary
     attention.attn.rotary = rotary
     return attention

@@ -26,6 +26,8 @@ _MODELS = {
     "Qwen2_5_VLForConditionalGeneration": ("metrale.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("metrale.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
     "Qwen3VLMoeForConditionalGeneration": ("metrale.models.qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
+    "Qwen3_5ForConditionalGeneration": ("metrale.models.qwen3_5_vl", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("metrale.models.qwen3_5_vl", "Qwen3_5MoeForConditionalGeneration"),
 }
 
 

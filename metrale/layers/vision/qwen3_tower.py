@@ -30,7 +30,8 @@ class Qwen3VisionTower(nn.Module):
         self.table_side = int(vc.num_position_embeddings ** 0.5)
         if self.table_side ** 2 != vc.num_position_embeddings:
             raise ValueError(f"num_position_embeddings {vc.num_position_embeddings} is not a square")
-        self.deepstack_visual_indexes = list(vc.deepstack_visual_indexes)
+        # Qwen3.5's tower is this one without DeepStack (its config has no such field).
+        self.deepstack_visual_indexes = list(getattr(vc, "deepstack_visual_indexes", None) or [])
         self.patch_embed = PatchEmbed(vc.in_channels, vc.temporal_patch_size, vc.patch_size, vc.hidden_size, bias=True)
         self.pos_embed = nn.Embedding(vc.num_position_embeddings, vc.hidden_size)
         self.rotary = VisionRotary2D(vc.hidden_size // vc.num_heads, _theta(vc))
