@@ -220,3 +220,24 @@ def test_dummy_weights_cover_the_vision_tower(checkpoint, media):
         (rows,) = model.embed_multimodal("video", media.video_pixels, media.video_grid)
     assert rows.shape == (media.tokens(media.video_grid[0]), 64) and torch.isfinite(rows).all()
     assert len(greedy(llm, text_prompts())[2]) == NEW_TOKENS
+
+
+def test_shipped_7b_config_builds_with_transformers_parameter_count():
+    """metrale/model_configs/Qwen2.5-VL-7B-Instruct (the published 4.x config.json, for
+    `--load-format dummy` runs): our model, built on the meta device, has transformers' number of
+    parameters, the tower's included."""
+    import transformers
+
+    from metrale.config.model_config import load_model_config
+    from metrale.executor.model_loader import construct_model
+    from metrale.models.registry import supported_architectures
+    from metrale.startup.model_source import SHIPPED_CONFIGS
+
+    path = os.path.join(SHIPPED_CONFIGS, "Qwen2.5-VL-7B-Instruct")
+    config = load_model_config(path, "bfloat16", torch.device("cpu"), 4096, supported_architectures())
+    ours = construct_model(config, torch.device("meta"))
+    with torch.device("meta"):
+        reference = transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.from_pretrained(path))
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    assert count(ours.visual) == count(reference.model.visual) > 600_000_000
+    assert count(ours) == count(reference)
