@@ -98,8 +98,8 @@ class QwenVLMixin:
         if pixel_values.shape[0] != sum(counts):
             raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, grid_thw {grid_thw.tolist()} "
                              f"needs {sum(counts)}")
-        dtype = self.model.embed_tokens.weight.dtype
-        embeds = self.tower_outputs(pixel_values.to(dtype), grid_thw)
+        weight = self.model.embed_tokens.weight
+        embeds = self.tower_outputs(pixel_values.to(weight.device, weight.dtype), grid_thw)
         return list(embeds.split([c // self.merge_size ** 2 for c in counts]))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
