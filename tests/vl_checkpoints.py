@@ -29,6 +29,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 FAMILIES = {
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor"),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor"),
     "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", "Qwen3VLProcessor"),
@@ -40,6 +41,9 @@ FAMILIES = {
 def _vision_fields(family: str) -> dict:
     common = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, initializer_range=0.2)
+    if family == "qwen2_vl":  # the tower's width is embed_dim; hidden_size is its output width
+        return dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, in_channels=3, patch_size=14,
+                    spatial_merge_size=2, temporal_patch_size=2, hidden_act="quick_gelu", initializer_range=0.2)
     if family == "qwen2_5_vl":
         # Block 0 full attention, block 1 windows of 2x2 merged units (56 px).
         return dict(common, hidden_act="silu", window_size=56, fullatt_block_indexes=[0], tokens_per_second=2)
@@ -52,7 +56,7 @@ def _text_fields(family: str, tie: bool) -> dict:
     fields = dict(vocab_size=VOCAB_SIZE + len(VISION_TOKENS), hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=tie, head_dim=16)
-    if family == "qwen2_5_vl":
+    if family in ("qwen2_vl", "qwen2_5_vl"):
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     else:
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],

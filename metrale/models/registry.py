@@ -23,6 +23,7 @@ _MODELS = {
     "Qwen3_5ForCausalLM": ("metrale.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("metrale.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
     # Vision-language (supports_multimodal, uses_mrope): layers/vision/ and models/qwen_vl_base.py.
+    "Qwen2VLForConditionalGeneration": ("metrale.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("metrale.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("metrale.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
     "Qwen3VLMoeForConditionalGeneration": ("metrale.models.qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),

@@ -11,12 +11,13 @@ from metrale.layers.norm import RMSNorm
 
 
 class Qwen2_5PatchMerger(nn.Module):
-    """RMSNorm per patch (ln_q), concatenate the block, Linear, GELU, Linear (mlp.0, mlp.2)."""
+    """A norm per patch (ln_q: RMSNorm for Qwen2.5-VL, LayerNorm for Qwen2-VL), concatenate the
+    block, Linear, GELU, Linear (mlp.0, mlp.2)."""
 
-    def __init__(self, dim: int, out_dim: int, merge_size: int):
+    def __init__(self, dim: int, out_dim: int, merge_size: int, layer_norm: bool = False):
         super().__init__()
         self.merged = dim * merge_size * merge_size
-        self.ln_q = RMSNorm(dim, 1e-6)
+        self.ln_q = nn.LayerNorm(dim, eps=1e-6) if layer_norm else RMSNorm(dim, 1e-6)
         self.mlp = nn.Sequential(ReplicatedLinear(self.merged, self.merged, bias=True, quantizable=False), nn.GELU(),
                                  ReplicatedLinear(self.merged, out_dim, bias=True, quantizable=False))
 

@@ -1,6 +1,6 @@
 """The feed-forward parts of vision blocks, replicated on every tensor-parallel rank: Qwen2.5-VL's
 gated MLP (gate and up in one matmul, as the checkpoint's gate_proj / up_proj load into
-gate_up_proj) and Qwen3-VL's two-layer MLP."""
+gate_up_proj), Qwen3-VL's two-layer MLP and Qwen2-VL's (the same, named fc1 / fc2)."""
 
 from __future__ import annotations
 
@@ -57,3 +57,14 @@ class VisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class Qwen2VisionMLP(nn.Module):
+    def __init__(self, dim: int, intermediate: int, act: str):
+        super().__init__()
+        self.fc1 = ReplicatedLinear(dim, intermediate, bias=True, quantizable=False)
+        self.fc2 = ReplicatedLinear(intermediate, dim, bias=True, quantizable=False)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
