@@ -173,8 +173,15 @@ class ReferenceMTP:
         self.fc = mtp["mtp.fc.weight"]
 
     @torch.no_grad()
-    def drafts(self, tokens: list[int], k: int) -> list[int]:
-        trunk = self.model.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
+    def trunk(self, sequence: list[int]) -> torch.Tensor:
+        """transformers' final hidden states over a whole sequence: causal, so row p is also that of
+        every prefix longer than p (one trunk pass per request, not per step)."""
+        return self.model.model(torch.tensor([sequence])).last_hidden_state[0]
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], k: int, trunk: torch.Tensor) -> list[int]:
+        """The k chained drafts after `tokens` (the last one just sampled); `trunk`: `self.trunk`
+        of a sequence that starts with `tokens`."""
         inputs = [self._input(trunk[p], tokens[p + 1]) for p in range(len(tokens) - 1)]
         drafts = []
         for _ in range(k):
@@ -196,7 +203,7 @@ class ReferenceMTP:
         return self.block(x[None], position_embeddings=embeddings, attention_mask=mask, position_ids=positions)[0]
 
 
-@pytest.mark.parametrize("family, k", [("qwen3_next", 2), ("qwen3_5", 1)])
+@pytest.mark.parametrize("family, k", [("qwen3_next", 2), ("qwen3_5", 1), ("qwen3_5_moe", 2)])
 def test_drafts_equal_the_reference_mtp_forward(checkpoints, family, k, monkeypatch, tmp_path):
     base, path, mtp, _ = checkpoints(family)
     proposals = []  # (request id, its tokens then, drafts)
@@ -215,11 +222,12 @@ def test_drafts_equal_the_reference_mtp_forward(checkpoints, family, k, monkeypa
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     sequences = {o.request_id: p + o.outputs[0].token_ids for o, p in zip(outputs, prompts)}
     reference = ReferenceMTP(base, mtp, str(tmp_path / "holder"))
+    trunks = {rid: reference.trunk(sequence) for rid, sequence in sequences.items()}
     checked = 0
     for rid, num_tokens, drafts in proposals:
         if num_tokens > len(sequences[rid]):
             continue  # the request ended at this step: no later step reads its drafts
-        assert drafts == reference.drafts(sequences[rid][:num_tokens], k), (rid, num_tokens)
+        assert drafts == reference.drafts(sequences[rid][:num_tokens], k, trunks[rid]), (rid, num_tokens)
         checked += 1
     assert checked >= 2 * (NEW_TOKENS // (k + 1))
 
