@@ -1,7 +1,7 @@
-"""MTP drafting on a DSA family, GLM-5 (`GlmMoeDsaForCausalLM`; DeepSeek-V3.2 builds its next-n
-layer the same way, through the same classes): the next-n layer is a full layer with its own
+"""MTP drafting on the DSA families, GLM-5 (`GlmMoeDsaForCausalLM`, full and shared indexer layers)
+and DeepSeek-V3.2: the next-n layer is a full layer with its own
 lightning indexer (its selection over its own indexer-key cache), so a drafter pass runs the
-indexer too. A tiny checkpoint of tests/dsa_checkpoints.py (index_topk 24: the prompts of 40 and
+indexer too. Tiny checkpoints of tests/dsa_checkpoints.py (index_topk 24: the prompts of 40 and
 64 tokens attend sparsely, in the trunk and in the MTP layer) with a next-n layer written here in
 DeepSeek's layout (a copy of a full layer times 1.5, random eh_proj and norms, shared_head).
 
@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 
+import pytest
 import torch
 
 from checkpoints import load_reference, reference_greedy
@@ -53,8 +54,9 @@ def write_nextn_layer(base: str, path: str) -> None:
         json.dump(dict(config, num_nextn_predict_layers=1), f)
 
 
-def test_glm5_greedy_tokens_with_mtp_equal_transformers(tmp_path):
-    base = make_dsa_checkpoint(str(tmp_path / "base"), "glm_moe_dsa")
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])
+def test_greedy_tokens_with_mtp_equal_transformers(family, tmp_path):
+    base = make_dsa_checkpoint(str(tmp_path / "base"), family)
     reference = load_reference(base)
     expected = [reference_greedy(reference, p, NEW_TOKENS) for p in prompts()]
     path = str(tmp_path / "with_mtp")
