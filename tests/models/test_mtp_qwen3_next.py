@@ -249,6 +249,17 @@ def test_a_passthrough_mtp_layer_is_accepted_where_the_target_repeats(checkpoint
     # Accepted where it repeats, rejected elsewhere: the kept Gated DeltaNet state is the one of
     # the last accepted position both ways, or the tokens above would differ.
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    # Sampled, seeded: each request's tokens are the same alone and batched (its own streams),
+    # with drafts accepted under sampling too (the tiny model's logits are flat: a low temperature
+    # keeps its repeats likely enough to accept).
+    accepted = stats.num_accepted_tokens
+    prompts = [{"prompt_token_ids": p} for p in make_prompts()[:3] + [repetitive]]
+    params = [SamplingParams(temperature=0.05, top_k=20, seed=10 + i, max_tokens=NEW_TOKENS, ignore_eos=True)
+              for i in range(len(prompts))]
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([p], [q], use_tqdm=False)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    assert batched == alone
+    assert stats.num_accepted_tokens > accepted
 
 
 # -- hash, plan, defaults, refusals --------------------------------------------------------------------
