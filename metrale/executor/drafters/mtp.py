@@ -1,6 +1,8 @@
 """The MTP (next-n) drafter: the target model's own multi-token-prediction layer proposes drafts.
 
-Every step that computes tokens, the layer (`model.mtp[0]`, models/mtp.py) runs over all of the
+Every step that computes tokens, the layer (`model.mtp[0]`: DeepSeek's / GLM's next-n layer,
+models/mtp.py, or Qwen3-Next's / Qwen3.5's `mtp.*` layer, models/qwen_mtp.py: both take the
+same inputs and give a hidden state and logits) runs over all of the
 step's rows with the trunk's final hidden states and the token after each row
 (`DraftInputs.next_token_ids`), at the rows' positions, over its own paged cache: a prefill fills
 that cache over every prompt position, so later drafts attend to the whole context. At each
@@ -8,8 +10,9 @@ sampled request's last accepted row its logits give draft 1 (the token two posit
 
 Chained for k > 1: draft j + 1 comes from the same layer, one row per request at the position
 after draft j's, with the layer's own hidden state of the previous pass and draft j as input
-(DeepSeek's published checkpoints hold one next-n layer: num_nextn_predict_layers = 1, and every
-chained pass reuses it). A chained pass writes the layer's cache at positions past the step's
+(DeepSeek's and Qwen's published checkpoints hold one MTP layer, and every chained pass reuses
+it). On hybrid targets the MTP layer is attention only; the target's recurrent state is rolled
+back by the verify step's scratch slots, as for any drafter. A chained pass writes the layer's cache at positions past the step's
 last computed one (`lookahead_tokens` = k - 1, which the scheduler reserves); those entries are
 overwritten when the trunk computes the positions. A chained pass reads the accepted counts on the
 host (one sync) to lay out its rows; k = 1 never syncs. A draft stops where its request's
