@@ -25,7 +25,7 @@ for part in "$@"; do
     tests)
       timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -rs -p no:cacheprovider --durations=15 \
         tests/gpu/test_gpu_speculative.py tests/kernels/test_multi_query_decode.py tests/kernels/test_rejection_kernel.py \
-        tests/gpu/test_gpu_spec_hybrid.py tests/gpu/test_gpu_dflash.py tests/gpu/test_gpu_spec_cost_table.py \
+        tests/gpu/test_gpu_spec_hybrid.py tests/gpu/test_gpu_mtp.py tests/gpu/test_gpu_dflash.py tests/gpu/test_gpu_spec_cost_table.py \
         tests/gpu/test_gpu_generation.py tests/gpu/test_gpu_mla_backend.py tests/gpu/test_gpu_glm5_next.py \
         > "$W/gpu_tests.log" 2>&1
       grep -E "FAILED|ERROR|passed|failed" "$W/gpu_tests.log" | tail -25 ;;

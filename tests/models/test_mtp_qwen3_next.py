@@ -33,43 +33,10 @@ from hybrid_checkpoints import spec_prompts as make_prompts
 from metrale import LLM, SamplingParams
 from metrale.config.engine_args import EngineArgs
 from metrale.executor.drafters.mtp import MTPDrafter
+from qwen_mtp_checkpoints import LAYERS, SOURCE, write_mtp_layer
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-LAYERS = 2  # layer 0 Gated DeltaNet, layer 1 gated attention (the MTP layer's source)
-SOURCE = f"model.layers.{LAYERS - 1}."
-
-
-def write_mtp_layer(base: str, path: str, passthrough: bool = False, **config_edits) -> dict:
-    """A copy of `base` with an `mtp.*` layer: the full-attention layer's tensors times 1.5 as
-    mtp.layers.0, a random fc and random zero-centred norms; or (`passthrough`) fc = [0 | I], the
-    layer's o_proj and down projections zero and every norm weight 0 (scale 1), so the layer's
-    output is the trunk's hidden state renormalised and its draft is the target's own last token.
-    Returns the MTP tensors."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(base, path)
-    weights = load_file(os.path.join(path, "model.safetensors"))
-    hidden = weights["model.norm.weight"].shape[0]
-    g = torch.Generator().manual_seed(3)
-    mtp = {name.replace(SOURCE, "mtp.layers.0."): 1.5 * t for name, t in weights.items() if name.startswith(SOURCE)}
-    mtp["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.15
-    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        mtp[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=g) * 0.3
-    if passthrough:
-        mtp["mtp.fc.weight"] = torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], dim=1)
-        for name in mtp:
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                mtp[name] = torch.zeros_like(mtp[name])
-            elif name.endswith("norm.weight") and not name.endswith(("q_norm.weight", "k_norm.weight")):
-                mtp[name] = torch.zeros_like(mtp[name])
-    save_file({**weights, **mtp}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    config_path = os.path.join(path, "config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    with open(config_path, "w") as f:
-        json.dump({**config, "mtp_num_hidden_layers": 1, **config_edits}, f)
-    return mtp
 
 
 @pytest.fixture(scope="module")

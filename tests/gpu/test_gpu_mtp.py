@@ -1,0 +1,54 @@
+"""On the GPU: MTP drafting on the hybrid families, Qwen3-Next and Qwen3.5, in float32 on the
+Triton backends (the MTP layer's attention on the Triton attention backend, the target's Gated
+DeltaNet state kept per draft by the Triton verify kernel). MTP steps run eagerly (a runner-side
+drafter reads the step's hidden states); the plain steps replay decode graphs where graphs are
+on. With a "passthrough" MTP layer (tests/qwen_mtp_checkpoints.py: it drafts the target's own
+last token) drafts are both accepted and rejected, and greedy tokens with MTP drafting equal plain
+decoding's, graphs off and on. (transformers' tokens and the drafts against a reference are
+checked on the CPU: tests/models/test_mtp_qwen3_next.py.)
+
+The checkpoints need transformers' Qwen3-Next / Qwen3.5 classes to be written; where the GPU
+machine's transformers lacks them, the test fails saying so.
+"""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from hybrid_checkpoints import HYBRID_FAMILIES
+from metrale import LLM, SamplingParams
+from qwen_mtp_checkpoints import make_qwen_mtp_checkpoint
+
+pytestmark = pytest.mark.gpu
+FAMILIES = ["qwen3_next", "qwen3_5"]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+REPETITIVE = [5] * 8  # the CPU test's Qwen3-Next checkpoint answers it with one token nine times
+
+
+def prompts() -> list[list[int]]:
+    from hybrid_checkpoints import spec_prompts
+
+    return spec_prompts() + [REPETITIVE]
+
+
+def run(path, speculative=True, **kw):
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}} if speculative else {}
+    llm = LLM(path, dtype="float32", device="cuda", num_kv_blocks=256, max_num_seqs=16, **spec, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mtp_drafting_equals_plain_decoding(family, tmp_path):
+    if not hasattr(transformers, HYBRID_FAMILIES[family][1]):
+        pytest.fail(f"transformers {transformers.__version__} has no {HYBRID_FAMILIES[family][1]}")
+    path = make_qwen_mtp_checkpoint(str(tmp_path), family, passthrough=True)
+    _, plain = run(path, speculative=False, enforce_eager=True)
+    for eager in (True, False):
+        llm, drafted = run(path, enforce_eager=eager)
+        assert drafted == plain, f"enforce_eager={eager}"
+        stats = llm.llm_engine.scheduler.spec_stats
+        assert stats.num_drafts > 0 and stats.num_accepted_tokens < stats.num_draft_tokens, stats
+        if family == "qwen3_next":
+            assert stats.num_accepted_tokens > 0, stats
