@@ -3,9 +3,11 @@ Qwen-VL's chat template lays them out, and a tiny checkpoint for the CPU smoke r
 
 No tokenizer is needed (the shipped configs carry none): each image is `<|vision_start|>`, its
 `<|image_pad|>` tokens (one per merged 2x2 patch block of the processed image) and
-`<|vision_end|>`, between runs of random text ids. Every image is different noise, so neither
-the encoder cache nor the prefix cache can serve one request from another's work; iteration i
-of a seed always gets the same images and ids, so two frameworks see the same inputs.
+`<|vision_end|>`, between runs of random text ids. transformers is given those ids; met one
+`<|image_pad|>` per image, as a chat template writes it, which its processor expands. Every
+image is different noise, so neither the encoder cache nor the prefix cache can serve one
+request from another's work; iteration i of a seed always gets the same images and ids, so two
+frameworks see the same inputs.
 """
 
 from __future__ import annotations
@@ -64,18 +66,23 @@ def prompt_ids(tokens: VisionTokens, image_token_counts: list[int], seed: int) -
 
 @dataclass
 class VLRequest:
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # expanded: every image's placeholder tokens (transformers' input_ids)
     images: list  # PIL images
+    image_pad: int
 
     def met_prompt(self) -> dict:
-        return {"prompt_token_ids": self.prompt_token_ids, "multi_modal_data": {"image": self.images}}
+        """As a chat template renders it before the processor: one `<|image_pad|>` per image,
+        which met's processor expands to the image's tokens (multimodal/processor.py)."""
+        ids = [t for i, t in enumerate(self.prompt_token_ids)
+               if t != self.image_pad or i == 0 or self.prompt_token_ids[i - 1] != self.image_pad]
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": self.images}}
 
 
 def make_requests(tokens: VisionTokens, count: int, images_per_request: int, image_size: int,
                   tokens_per_image: int, seed: int) -> list[VLRequest]:
     """`count` requests of `images_per_request` distinct images each; seeds derived from `seed`."""
     return [VLRequest(prompt_ids(tokens, [tokens_per_image] * images_per_request, seed * 1000 + i),
-                      noise_images(images_per_request, image_size, seed * 1000 + i))
+                      noise_images(images_per_request, image_size, seed * 1000 + i), tokens.image_pad)
             for i in range(count)]
 
 

@@ -1,7 +1,6 @@
 """benchmarks/vl_bench.py: its floor arithmetic, and its CPU smoke run (--tiny), where met and
 transformers load the same tiny checkpoint and must give the same greedy tokens with images."""
 
-import importlib.util
 import json
 import os
 import sys
@@ -12,6 +11,7 @@ import pytest
 from metrale.bench.hardware import HardwareRates
 from metrale.bench.vision_floor import VLWeights, batch_floor, kv_bytes_per_token, qwen2_5_vision_flops, ttft_floor
 from metrale.bench.vl_workload import VisionTokens, make_requests, prompt_ids
+from metrale.config.engine_args import EngineArgs
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
@@ -62,11 +62,11 @@ def test_prompts_lay_out_each_image_and_differ_per_request():
     assert again.prompt_token_ids == a.prompt_token_ids and again.images[0].tobytes() == a.images[0].tobytes()
 
 
-ENGINE_TAKES_IMAGES = importlib.util.find_spec("metrale.multimodal.processor") is not None
+ENGINE_TAKES_IMAGES = "limit_mm_per_prompt" in EngineArgs.__dataclass_fields__
 
 
 @pytest.mark.skipif(not ENGINE_TAKES_IMAGES, reason="LLM.generate with multi_modal_data is not in the engine yet "
-                    "(metrale/multimodal/processor.py, issue 19's engine part)")
+                    "(no --limit-mm-per-prompt: issue 19's engine part)")
 def test_tiny_run_gives_transformers_tokens(tmp_path):
     import vl_bench
 
@@ -83,3 +83,12 @@ def test_tiny_run_gives_transformers_tokens(tmp_path):
             assert run["output_tokens"] == 2 * 4 and run["batch_seconds"] > 0
         assert 0 < case["floor_ttft_s"] < case["met"]["ttft_median_s"]
         assert 0 < case["floor_batch_s"] < case["met"]["batch_seconds"]
+
+
+def test_met_gets_one_placeholder_per_image():
+    tokens = VisionTokens(image_pad=9, vision_start=7, vision_end=8, text_id_limit=7)
+    (request,) = make_requests(tokens, 1, 2, 28, 3, seed=0)
+    met = request.met_prompt()
+    assert request.prompt_token_ids.count(9) == 6 and met["prompt_token_ids"].count(9) == 2
+    assert [t for t in request.prompt_token_ids if t != 9] == [t for t in met["prompt_token_ids"] if t != 9]
+    assert met["multi_modal_data"]["image"] == request.images
