@@ -145,6 +145,18 @@ class EngineArgs:
                                               "connecting and each read wait at most 5 s of it")
     media_max_image_pixels: int = option(64 << 20, "Largest image (width x height, read from its header before it "
                                                    "is decoded) and video frame accepted")
+    # Images and video (docs/multimodal.md).
+    limit_mm_per_prompt: str | dict = option("", "JSON object of the most media items one prompt may carry, per "
+                                                 "modality, e.g. '{\"image\": 4, \"video\": 1}'; default: 16 "
+                                                 "images and 2 videos", parse=str)
+    mm_processor_kwargs: str | dict = option("", "JSON object of processor defaults for every request: max_pixels, "
+                                                 "min_pixels (per image or frame), fps, max_frames (video); a "
+                                                 "request's own mm_processor_kwargs override them", parse=str)
+    vision_max_pixels: int | None = option(None, "Cap on the pixels of an image or video frame after resizing (the "
+                                                 "processor's max_pixels is lowered to it, never raised)")
+    max_num_encoder_tokens: int | None = option(None, "Vision encoder output rows one step may compute (the encoder "
+                                                      "budget; also the runner's encoder cache size); default: "
+                                                      "max_num_batched_tokens, at least the largest image's tokens")
     # Parallelism (docs/parallel.md). world = tp x ep (orthogonal mesh) or tp = ep = world (overlapping).
     tp_size: int = option(1, "Tensor-parallel ranks", aliases=("tensor_parallel_size", "-tp"))
     ep_size: int = option(1, "Expert-parallel ranks (MoE models)")
@@ -226,6 +238,11 @@ class EngineArgs:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not self.media_fetch_timeout > 0:
             raise ValueError(f"media_fetch_timeout must be > 0, got {self.media_fetch_timeout}")
+        self.media_limits, self.processor_defaults  # validate
+        if self.vision_max_pixels is not None and self.vision_max_pixels < 1:
+            raise ValueError(f"vision_max_pixels must be at least 1, got {self.vision_max_pixels}")
+        if self.max_num_encoder_tokens is not None and self.max_num_encoder_tokens < 1:
+            raise ValueError(f"max_num_encoder_tokens must be at least 1, got {self.max_num_encoder_tokens}")
         if not self.structured_outputs_timeout > 0:
             raise ValueError(f"structured_outputs_timeout must be > 0, got {self.structured_outputs_timeout}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -251,6 +268,27 @@ class EngineArgs:
         if not isinstance(overrides, dict):
             raise ValueError(f"hf_overrides must be a JSON object, got {self.hf_overrides!r}")
         return overrides
+
+    @property
+    def media_limits(self) -> dict:
+        """`limit_mm_per_prompt` as {modality: count}."""
+        limits = _json_object(self.limit_mm_per_prompt, "limit_mm_per_prompt")
+        for key, value in limits.items():
+            if key not in ("image", "video"):
+                raise ValueError(f"limit_mm_per_prompt: unknown modality {key!r} (image, video)")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"limit_mm_per_prompt: {key} must be an integer >= 0, got {value!r}")
+        return limits
+
+    @property
+    def processor_defaults(self) -> dict:
+        """`mm_processor_kwargs` as a dict (its keys are checked by the processor, by name)."""
+        kwargs = _json_object(self.mm_processor_kwargs, "mm_processor_kwargs")
+        unknown = sorted(set(kwargs) - {"max_pixels", "min_pixels", "fps", "max_frames"})
+        if unknown:
+            raise ValueError(f"mm_processor_kwargs: unknown key(s) {', '.join(unknown)} (max_pixels, min_pixels, "
+                             f"fps, max_frames)")
+        return kwargs
 
     @property
     def speculative_decoding(self) -> SpeculativeConfig | None:
@@ -321,6 +359,22 @@ class EngineArgs:
             return cls(**{k: v for k, v in vars(namespace).items() if k in names})
         except ValueError as e:
             raise OptionError(str(e)) from None
+
+
+def _json_object(value: str | dict, name: str) -> dict:
+    if isinstance(value, dict):
+        return dict(value)
+    if not value.strip():
+        return {}
+    import json
+
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} must be a JSON object: {e}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return parsed
 
 
 def _base_type(annotation) -> type:

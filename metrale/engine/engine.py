@@ -19,6 +19,8 @@ from metrale.engine.scheduler import Scheduler
 from metrale.engine.ngram_drafter import NgramDrafter
 from metrale.engine.runner_drafts import RunnerDrafts
 from metrale.engine.spec_cost_model import CostTable, DraftLengthChooser
+from metrale.models.registry import get_model_class
+from metrale.multimodal.processor import MultiModalProcessor, refuse_media
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class LLMEngine:
             logger.info("sampling defaults from generation_config.json, for fields a request leaves unset: %s "
                         "(--generation-config vllm turns them off)",
                         ", ".join(f"{k}={v}" for k, v in self.sampling_defaults.items()))
+        self.mm_processor = self._mm_processor(args)
         self.scheduler = Scheduler(num_kv_blocks=parts.plan.num_kv_blocks, block_size=args.block_size,
                                    max_num_seqs=parts.max_num_seqs,
                                    max_num_batched_tokens=args.step_token_budget(self.device.type),
@@ -65,7 +68,8 @@ class LLMEngine:
                                    num_state_slots=parts.plan.max_num_seqs if parts.plan.state_bytes_per_slot else 0,
                                    num_checkpoint_slots=parts.plan.num_checkpoint_slots,
                                    drafter=self._drafter(args),
-                                   draft_length=self._draft_length(args, parts.max_num_seqs))
+                                   draft_length=self._draft_length(args, parts.max_num_seqs),
+                                   max_num_encoder_tokens=self.max_num_encoder_tokens)
         self.outputs = OutputProcessor(self.tokenizer)
         # The launched step whose result is not applied yet (asynchronous scheduling only).
         self._inflight = None
@@ -74,6 +78,40 @@ class LLMEngine:
                     if self.async_scheduling else "synchronous")
         self._seed_rng = random.Random(args.seed)
         self._children: dict[str, list[str]] = {}
+
+    def _mm_processor(self, args: EngineArgs) -> MultiModalProcessor | None:
+        """The media processor of a vision-language model (None for a text model), and the encoder
+        budget: --max-num-encoder-tokens, or the step's token budget and at least the largest
+        image's tokens; the runner's encoder cache holds as many rows."""
+        self.max_num_encoder_tokens = None
+        model_class = get_model_class(self.model_config.architecture)
+        if not getattr(model_class, "supports_multimodal", False):
+            return None
+        processor = MultiModalProcessor(self.model_config.model_dir, model_class, self.runner.model.vl_config,
+                                        limits=args.media_limits, defaults=args.processor_defaults,
+                                        vision_max_pixels=args.vision_max_pixels)
+        budget = args.max_num_encoder_tokens or max(args.step_token_budget(self.device.type),
+                                                    processor.max_image_tokens())
+        processor.max_item_tokens = self.max_num_encoder_tokens = budget
+        self.runner.encoder_cache.capacity_rows = budget
+        logger.info("media: encoder budget %d rows per step (--max-num-encoder-tokens), per prompt at most %s",
+                    budget, ", ".join(f"{n} {m}(s)" for m, n in processor.limits.items()))
+        return processor
+
+    def process_media(self, prompt: PromptType, token_ids: list[int]):
+        """The prompt's MultiModalInputs, or None without media; refuses media a text model gets."""
+        if not isinstance(prompt, dict):
+            return None
+        data = prompt.get("multi_modal_data")
+        kwargs = prompt.get("mm_processor_kwargs")
+        if not data:
+            if kwargs and self.mm_processor is None:
+                raise InvalidRequestError(f"model {self.model_config.architecture} does not take media: "
+                                          "mm_processor_kwargs has nothing to apply to", "mm_processor_kwargs")
+            return None
+        if self.mm_processor is None:
+            refuse_media(self.model_config.architecture, data)
+        return self.mm_processor.process(token_ids, data, kwargs)
 
     def _drafter(self, args: EngineArgs) -> NgramDrafter | RunnerDrafts | None:
         """The scheduler's drafter: n-gram, or the stand-in of the runner's (MTP, DFlash)."""
@@ -180,6 +218,9 @@ class LLMEngine:
         if request_id in self._children:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
+        multimodal = self.process_media(prompt, token_ids)
+        if multimodal is not None:
+            token_ids = multimodal.token_ids  # each placeholder expanded to its item's tokens
         params = self.validate_prompt(token_ids, params)
         if params.structured_outputs is not None:
             self._compile_grammar(params)
@@ -188,7 +229,7 @@ class LLMEngine:
             # A seeded request with n > 1 gives each completion its own stream: seed + index.
             seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(63)
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
-            children.append(Request(child_id, token_ids, params, seed, arrival_time))
+            children.append(Request(child_id, token_ids, params, seed, arrival_time, multimodal=multimodal))
         for child in children:
             self.scheduler.add_request(child)
         self.outputs.add(request_id, text, children)

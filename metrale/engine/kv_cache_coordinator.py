@@ -97,7 +97,8 @@ class KVCacheCoordinator:
         if not self.enable_prefix_caching:
             return PrefixHit()
         known = request.num_known_tokens
-        hashes = self.prefix.block_hashes(request.request_id, request.token_ids, request.extra_keys, known)
+        hashes = self.prefix.block_hashes(request.request_id, request.token_ids, request.extra_keys, known,
+                                           request.media_keys)
         blocks = self.prefix.cached_blocks(hashes)
         bs = self.block_size
         if self.has_state:
@@ -181,7 +182,7 @@ class KVCacheCoordinator:
         if self._checkpoint_at.get(rid) != end:
             return None
         del self._checkpoint_at[rid]
-        hashes = self.prefix.block_hashes(rid, request.token_ids, request.extra_keys, end)
+        hashes = self.prefix.block_hashes(rid, request.token_ids, request.extra_keys, end, request.media_keys)
         destination = self.slots.save_checkpoint(hashes[end // self.block_size - 1])
         if destination is None:
             return None
@@ -192,7 +193,7 @@ class KVCacheCoordinator:
         """Offer the request's full computed blocks to later requests."""
         if self.enable_prefix_caching:
             self.prefix.register(request.request_id, self.block_tables.get(request.request_id, []),
-                                 request.token_ids, request.extra_keys, num_computed_tokens)
+                                 request.token_ids, request.extra_keys, num_computed_tokens, request.media_keys)
 
     def free(self, request_id: str, preempted: bool = False) -> None:
         """Give the request's blocks and slot back; a preempted request keeps its hashes."""

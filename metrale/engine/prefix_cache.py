@@ -17,14 +17,18 @@ class PrefixCache:
         self._hashes: dict[str, list[bytes]] = {}  # the request's full-block hashes so far
         self._num_registered: dict[str, int] = {}  # leading blocks of its table registered in the pool
 
-    def block_hashes(self, request_id: str, token_ids: list[int], extra_keys: tuple, num_tokens: int) -> list[bytes]:
+    def block_hashes(self, request_id: str, token_ids: list[int], extra_keys: tuple, num_tokens: int,
+                     media: tuple = ()) -> list[bytes]:
         """Hashes of the full blocks among the first `num_tokens` of `token_ids` (extended
-        incrementally: a request's earlier hashes never change)."""
+        incrementally: a request's earlier hashes never change). `media`: (start, end, content
+        hash) of each media span; a block that overlaps a span has its hash in its key (the
+        placeholder tokens alone are equal for any two images), and every later block chains it."""
         hashes = self._hashes.setdefault(request_id, [])
         bs = self.block_size
         while (len(hashes) + 1) * bs <= num_tokens:
             i = len(hashes)
-            hashes.append(block_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], extra_keys))
+            keys = extra_keys + tuple(h for start, end, h in media if start < (i + 1) * bs and end > i * bs)
+            hashes.append(block_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], keys))
         return hashes
 
     def cached_blocks(self, hashes: list[bytes]) -> list[int]:
@@ -42,14 +46,14 @@ class PrefixCache:
         self._num_registered[request_id] = num_shared_blocks
 
     def register(self, request_id: str, table: list[int], token_ids: list[int], extra_keys: tuple,
-                 num_computed_tokens: int) -> None:
+                 num_computed_tokens: int, media: tuple = ()) -> None:
         """Register the request's blocks that are full and computed, for later requests.
         `num_computed_tokens` must not reach past tokens whose values are known."""
         done = self._num_registered.get(request_id, 0)
         full = min(num_computed_tokens // self.block_size, len(table))
         if full <= done:
             return
-        hashes = self.block_hashes(request_id, token_ids, extra_keys, num_computed_tokens)
+        hashes = self.block_hashes(request_id, token_ids, extra_keys, num_computed_tokens, media)
         for i in range(done, full):
             self.pool.register(table[i], hashes[i])
         self._num_registered[request_id] = full

@@ -27,13 +27,19 @@ class Request:
     """Invariant: 0 <= num_computed_tokens <= num_tokens; tokens past num_computed_tokens have no KV yet."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 seed: int, arrival_time: float | None = None, extra_keys: tuple = ()):
+                 seed: int, arrival_time: float | None = None, extra_keys: tuple = (), multimodal=None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)  # prompt, then outputs as they are sampled
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params
         # Mixed into the prefix-cache hashes: requests with different keys never share KV.
         self.extra_keys = extra_keys
+        # The prompt's media (multimodal/inputs.py MultiModalInputs, or None): its items' spans in
+        # token_ids, their content hashes (also in the prefix-cache keys of the blocks they
+        # touch) and M-RoPE positions. The scheduler reads ints and strings of it only.
+        self.multimodal = multimodal
+        self.media = list(multimodal.items) if multimodal is not None else []
+        self.media_keys = tuple((m.offset, m.end, m.content_hash) for m in self.media)
         # Every request samples from its own counter-based stream (seed, output index), so its
         # tokens do not depend on the batch it runs in nor on being preempted and recomputed.
         self.seed = seed

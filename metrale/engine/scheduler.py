@@ -15,6 +15,15 @@ prefix cache only takes blocks whose tokens are all computed and known. On model
 per-request state the runner keeps the state of the last accepted position (per-draft scratch
 slots, layers/linear_attention/draft_states.py), and a verify step never saves a prefix
 checkpoint. No torch here.
+
+Media (images, video) ride the same path under an encoder budget per step
+(`max_num_encoder_tokens`, encoder output rows): a chunk that reaches an item's span for the
+first time (it starts at or before the span's start) spends the item's rows, once per content
+hash per step; where the budget is spent the chunk stops before the span and the rest waits for
+the next step. A chunk that resumes inside a span (chunked prefill split it) costs nothing: the
+runner keeps the item's encoder output (multimodal/encoder_cache.py) while a request still needs
+it, and computes any output it does not hold, so the budget bounds a step's encoder work and is
+never needed for correctness.
 """
 
 from __future__ import annotations
@@ -46,11 +55,12 @@ class Scheduler:
     def __init__(self, *, num_kv_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, enable_prefix_caching: bool = False,
                  num_state_slots: int = 0, num_checkpoint_slots: int = 0, drafter: NgramDrafter | None = None,
-                 draft_length: DraftLengthChooser | None = None):
+                 draft_length: DraftLengthChooser | None = None, max_num_encoder_tokens: int | None = None):
         """`num_state_slots`: per-request state slots of a model that keeps state (at least
         max_num_seqs), 0 otherwise; `num_checkpoint_slots`: the prefix cache's state checkpoints;
         `drafter`: speculative decoding's drafter, or None; `draft_length`: the measured cost
-        model that picks each step's k (None: the drafter's k every step)."""
+        model that picks each step's k (None: the drafter's k every step);
+        `max_num_encoder_tokens`: the encoder budget per step (None: max_num_batched_tokens)."""
         if num_state_slots and num_state_slots < max_num_seqs:
             raise ValueError(f"{num_state_slots} state slots cannot hold {max_num_seqs} running sequences")
         self.drafter = drafter
@@ -62,6 +72,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.max_num_encoder_tokens = max_num_encoder_tokens or max_num_batched_tokens
+        self._encoder_budget = 0  # this step's rows left
+        self._encoded_this_step: set[str] = set()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
@@ -134,6 +147,8 @@ class Scheduler:
         self.kv.end_step()  # the last plan's copies are queued on the device
         ended: list[Request] = []
         budget = self.max_num_batched_tokens
+        self._encoder_budget = self.max_num_encoder_tokens
+        self._encoded_this_step = set()
         preempted_this_step = False
         num_drafts = self._drafts_per_request()
 
@@ -146,8 +161,14 @@ class Scheduler:
             start = request.num_computed_tokens
             drafts = self._propose(request, budget, num_drafts)
             num_new = (1 + len(drafts) if drafts else
-                       self.kv.chunk_end(request.request_id, start, min(request.num_tokens, start + budget)) - start)
+                       self._encoder_cut(request, start, self.kv.chunk_end(
+                           request.request_id, start, min(request.num_tokens, start + budget))) - start)
+            if num_new <= 0:
+                index += 1  # its next media item waits for the next step's encoder budget
+                continue
             new_blocks, preempted_others = self._allocate_or_preempt(request, num_new)
+            if new_blocks is not None:
+                self._spend_encoder(request, start, start + num_new)
             if new_blocks is not None:
                 new_blocks += self._lookahead_blocks(request, start + num_new)
             preempted_this_step |= preempted_others
@@ -198,10 +219,14 @@ class Scheduler:
         """Start (or resume) the head of the waiting queue: reuse its cached prefix, take room for
         its first chunk. Returns the tokens scheduled, or None when a pool is short."""
         hit = self.kv.lookup(request)
-        admission = self.kv.admit(request, hit, min(request.num_tokens, hit.num_tokens + budget))
+        max_end = self._encoder_cut(request, hit.num_tokens, min(request.num_tokens, hit.num_tokens + budget))
+        if max_end <= hit.num_tokens:
+            return None  # its first media item waits for the next step's encoder budget
+        admission = self.kv.admit(request, hit, max_end)
         if admission is None:
             return None
         end = admission.end
+        self._spend_encoder(request, hit.num_tokens, end)
         out.block_copies += admission.block_copies
         out.state_restores += admission.state_restores
         request.num_computed_tokens = hit.num_tokens
@@ -212,9 +237,40 @@ class Scheduler:
         out.new_requests.append(NewRequestData(
             request.request_id, list(request.token_ids), request.num_prompt_tokens, request.sampling_params,
             request.seed, admission.block_table + self._lookahead_blocks(request, end), hit.num_tokens,
-            admission.state_slot))
+            admission.state_slot, *self._media_message(request)))
         self._schedule(request, end - hit.num_tokens, out)
         return end - hit.num_tokens
+
+    @staticmethod
+    def _media_message(request: Request) -> tuple:
+        """(media items, M-RoPE positions, delta) of NewRequestData: the runner's copy."""
+        mm = request.multimodal
+        if mm is None:
+            return [], None, 0
+        positions = mm.mrope_positions.tolist() if mm.mrope_positions is not None and mm.items else None
+        return [item.to_message() for item in mm.items], positions, mm.mrope_delta
+
+    def _encoder_cut(self, request: Request, start: int, end: int) -> int:
+        """Where a chunk [start, end) ends under what is left of this step's encoder budget: before
+        the first media span it reaches fresh whose rows do not fit."""
+        left, seen = self._encoder_budget, set(self._encoded_this_step)
+        for item in request.media:
+            if item.end <= start or item.offset < start:
+                continue  # behind the chunk, or resumed inside: its output is the runner's already
+            if item.offset >= end:
+                break
+            if item.content_hash not in seen:
+                if item.num_embeds > left:
+                    return item.offset
+                left -= item.num_embeds
+                seen.add(item.content_hash)
+        return end
+
+    def _spend_encoder(self, request: Request, start: int, end: int) -> None:
+        for item in request.media:
+            if start <= item.offset < end and item.content_hash not in self._encoded_this_step:
+                self._encoder_budget -= item.num_embeds
+                self._encoded_this_step.add(item.content_hash)
 
     def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         out.num_scheduled_tokens[request.request_id] = num_new

@@ -24,6 +24,7 @@ from metrale.config.model_config import ModelConfig
 from metrale.executor.cache_layout import CacheLayout
 from metrale.executor.cache_tensors import CacheTensors
 from metrale.executor.drafters.base import DraftInputs, DraftOutput, RunnerDrafter
+from metrale.executor.multimodal_step import mrope_positions, multimodal_batch
 from metrale.executor.rejection_sampler import verify_drafts
 from metrale.executor.sampler import SampledTokens, SamplingRow, sample_tokens
 from metrale.kernels import kernel_path
@@ -33,6 +34,7 @@ from metrale.layers.forward_context import BatchLayout, DraftStates, ForwardCont
 from metrale.messages.sampling_params import SamplingParams
 # A placeholder's value is on the device; the next step's input takes it there.
 from metrale.messages.scheduler_output import PLACEHOLDER, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from metrale.multimodal.encoder_cache import EncoderCache
 from metrale.structured.grammars import GrammarCache
 from metrale.structured.matchers import GrammarMatchers
 
@@ -51,11 +53,15 @@ class RunnerRequest:
     block_ids: list[int]
     num_computed_tokens: int
     state_slot: int
+    media: list = None  # MediaItem per image / video of the prompt
+    mrope_positions: np.ndarray | None = None  # int64 [3, prompt tokens]; None: the token indices
+    mrope_delta: int = 0
 
     @classmethod
     def of(cls, new: NewRequestData) -> "RunnerRequest":
+        positions = np.asarray(new.mrope_positions, dtype=np.int64) if new.mrope_positions is not None else None
         return cls(new.token_ids, new.num_prompt_tokens, new.sampling_params, new.seed, new.block_ids,
-                   new.num_computed_tokens, new.state_slot)
+                   new.num_computed_tokens, new.state_slot, list(new.media), positions, new.mrope_delta)
 
 
 @dataclass
@@ -73,6 +79,10 @@ class BatchInputs:
     chunk_next_ids: np.ndarray | None = None
     capacity: list[int] | None = None
     sampled_seq_index: list[int] | None = None  # each sampled request's sequence in the batch
+    # `uses_mrope` models: int64 [3, T] positions (executor/multimodal_step.py); and the step's
+    # placeholder rows with their encoder outputs, None without any.
+    mrope_positions: torch.Tensor | None = None
+    multimodal: object = None  # layers.vision.batch.MultiModalBatch
 
 
 class PendingOutput:
@@ -178,6 +188,10 @@ class ModelRunner:
         # (attach_grammars; absent without a tokenizer).
         self.grammars: GrammarCache | None = None
         self.matchers: GrammarMatchers | None = None
+        # Vision-language models: the encoder outputs by content hash (multimodal/encoder_cache.py),
+        # in encoder rows; the engine sets its capacity from the encoder budget.
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self.encoder_cache = EncoderCache(capacity_rows=8192)
 
     def attach_grammars(self, grammars: GrammarCache) -> None:
         self.grammars = grammars
@@ -189,7 +203,8 @@ class ModelRunner:
 
     @property
     def supports_cuda_graphs(self) -> bool:
-        return self.device.type == "cuda" and all(b.supports_cuda_graphs for b in self.backends.values())
+        # M-RoPE models run eagerly: the decode graphs' positions buffer is [T], not [3, T].
+        return self.device.type == "cuda" and not self.uses_mrope and all(b.supports_cuda_graphs for b in self.backends.values())
 
     @property
     def supports_verify_graphs(self) -> bool:
@@ -283,6 +298,9 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
         for request_id, drafts in plan.draft_token_ids.items():
             self.requests[request_id].token_ids.extend(drafts)  # this step's inputs; taken back once sampled
+        if len(self.encoder_cache):
+            self.encoder_cache.evict({item.content_hash for st in self.requests.values() for item in (st.media or ())
+                                      if st.num_computed_tokens < item.offset + item.length})
 
     def _upload(self, arrays: dict[str, np.ndarray], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """A step's index arrays of one dtype in ONE host->device copy: packed into one buffer
@@ -365,6 +383,10 @@ class ModelRunner:
                                         bool(starts.min() > 0 and (query_lens == 1 + num_drafts).all()))
         batch = BatchInputs(dev["input_ids"], layout, dev["logits_indices"], [scheduled[i][0] for i in sampled_rows],
                             logits_rows)
+        if self.uses_mrope:
+            batch.mrope_positions = torch.from_numpy(mrope_positions(scheduled, positions, seq_index)).to(self.device)
+            batch.multimodal = multimodal_batch(self.model, self.encoder_cache, scheduled, starts, query_lens,
+                                                self.device, self.model_config.dtype)
         if self.drafter is not None:
             batch.chunk_next_ids = np.fromiter(
                 (st.token_ids[end] if end < len(st.token_ids) else PLACEHOLDER
@@ -388,7 +410,12 @@ class ModelRunner:
     def forward(self, batch: BatchInputs) -> torch.Tensor:
         """The hidden states of every token of the batch."""
         with set_forward_context(self.forward_context(batch.layout)), self.kernel_context():
-            return self.model(batch.input_ids, batch.layout.positions)
+            if not self.uses_mrope:
+                return self.model(batch.input_ids, batch.layout.positions)
+            positions = batch.mrope_positions
+            if positions is None:  # a batch built elsewhere (warm-up, profiling): text rows
+                positions = batch.layout.positions.unsqueeze(0).expand(3, -1)
+            return self.model(batch.input_ids, positions, multimodal=batch.multimodal)
 
     @torch.inference_mode()
     def execute_async(self, plan: SchedulerOutput) -> PendingOutput:

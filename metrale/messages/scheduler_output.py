@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from metrale.messages.multimodal import MediaItem
 from metrale.messages.sampling_params import SamplingParams
 
 # A token a launched step sampled whose value the host has not read yet (asynchronous scheduling).
@@ -28,6 +29,11 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     state_slot: int = -1  # the slot of its per-request state; -1: the model keeps none
+    media: list[MediaItem] = field(default_factory=list)  # the prompt's images and videos, in order
+    # M-RoPE models with media: the prompt's positions [3][num_prompt_tokens]; a later token at
+    # index i has position i + mrope_delta. None: positions are the token indices in all rows.
+    mrope_positions: list[list[int]] | None = None
+    mrope_delta: int = 0
 
 
 @dataclass
@@ -73,7 +79,8 @@ class SchedulerOutput:
 
     @classmethod
     def from_wire(cls, wire: dict) -> "SchedulerOutput":
-        new = [NewRequestData(**{**r, "sampling_params": SamplingParams.from_dict(r["sampling_params"])})
+        new = [NewRequestData(**{**r, "sampling_params": SamplingParams.from_dict(r["sampling_params"]),
+                                 "media": [MediaItem(**m) for m in r.get("media", [])]})
                for r in wire["new_requests"]]
         cached = [CachedRequestData(**r) for r in wire["cached_requests"]]
         pairs = {name: [tuple(pair) for pair in wire[name]] for name in ("block_copies", "state_restores", "state_saves")}
