@@ -81,7 +81,7 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def other_image(seed: int = 5, size=(56, 84)) -> Image.Image:
+def other_image(seed: int = 3, size=(56, 84)) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
 
@@ -101,3 +101,93 @@ def test_images_alone_and_batched_with_text(checkpoint, reference, media):
     assert [o.outputs[0].token_ids for o in outs] == expected
     # Both a and the repeated a are one content hash: the encoder ran for a and b only.
     assert llm.llm_engine.runner.encoder_cache.num_computed_items == 2
+
+
+@pytest.fixture(scope="module")
+def cases(media, reference):
+    """Three image prompts of different lengths and their transformers tokens."""
+    a, b = tiny_images()
+    c = other_image()
+    prompts = [(image_prompt(media, "Hello, world!", " What is it?"), [a]),
+               (image_prompt(media, "The quick brown fox jumps", " over the lazy dog.", count=2), [b, c]),
+               (image_prompt(media, "Continuous batching", " lets many", count=1), [c])]
+    return [({"prompt_token_ids": ids, "multi_modal_data": {"image": images}},
+             hf_image_tokens(media, reference, ids, images)) for ids, images in prompts]
+
+
+def run(llm, cases) -> list[list[int]]:
+    outs = llm.generate([prompt for prompt, _ in cases], greedy(), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_chunked_prefill_splits_images_under_an_encoder_budget(checkpoint, cases):
+    # Chunks of 5 tokens cut through every image; an encoder budget of 12 rows fits b (12) or
+    # c and a, never all: some chunks stop before a placeholder and wait a step.
+    llm = LLM(checkpoint, dtype="float32", device="cpu", max_num_batched_tokens=5, max_num_encoder_tokens=12)
+    assert run(llm, cases) == [expected for _, expected in cases]
+    assert llm.llm_engine.runner.encoder_cache.num_computed_items == 3  # a, b, c once each
+
+
+def test_preemption_recomputes_with_images(checkpoint, cases):
+    llm = LLM(checkpoint, dtype="float32", device="cpu", num_kv_blocks=14, block_size=4, max_num_batched_tokens=16)
+    assert run(llm, cases) == [expected for _, expected in cases]
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+
+
+def test_prefix_hits_only_for_equal_images(checkpoint, media):
+    a, _ = tiny_images()
+    c = other_image(size=(56, 56))  # the same grid as a: the same token ids, other pixels
+    ids = image_prompt(media, "A paged KV cache stores keys and values in", " fixed-size blocks. Hello, world!")
+    offset = ids.index(media.ids["<|image_pad|>"])
+    llm = LLM(checkpoint, dtype="float32", device="cpu", block_size=4)
+    scheduler = llm.llm_engine.scheduler
+
+    def hits(image) -> int:
+        before = scheduler.kv.prefix_hits_total
+        llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": image}}], greedy(2), use_tqdm=False)
+        return scheduler.kv.prefix_hits_total - before
+
+    first = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": a}}], greedy(), use_tqdm=False)
+    other = hits(c)
+    assert 0 < other <= offset // 4 * 4  # the text before the image only
+    same = hits(a)
+    assert same >= offset + media.tokens((1, 4, 4))  # past the image
+    # The encoder ran for a once (the second request with a took its cached output) and for c.
+    assert llm.llm_engine.runner.encoder_cache.num_computed_items == 2
+    again = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": a}}], greedy(), use_tqdm=False)
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+
+
+def test_refusals_by_name(checkpoint, checkpoint_factory, media):
+    a, b = tiny_images()
+    llm = LLM(checkpoint, dtype="float32", device="cpu", limit_mm_per_prompt={"image": 1})
+    two = image_prompt(media, "Hello", " world", count=2)
+    with pytest.raises(InvalidRequestError, match="limit-mm-per-prompt"):
+        llm.generate([{"prompt_token_ids": two, "multi_modal_data": {"image": [a, b]}}], greedy(), use_tqdm=False)
+    one = image_prompt(media, "Hello", " world")
+    with pytest.raises(InvalidRequestError, match=r"2 image placeholder\(s\) but 1 image"):
+        llm.generate([{"prompt_token_ids": one + two[-6:], "multi_modal_data": {"image": [a]}}], greedy(),
+                     use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="unknown key.*'resize'"):
+        llm.generate([{"prompt_token_ids": one, "multi_modal_data": {"image": a}, "mm_processor_kwargs": {"resize": 1}}],
+                     greedy(), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="unknown modality 'audio'"):
+        llm.generate([{"prompt_token_ids": one, "multi_modal_data": {"audio": a}}], greedy(), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    text = LLM(checkpoint_factory("qwen2"), dtype="float32", device="cpu")
+    with pytest.raises(InvalidRequestError, match="model Qwen2ForCausalLM does not take images"):
+        text.generate([{"prompt": "Hello", "multi_modal_data": {"image": a}}], greedy(), use_tqdm=False)
+
+
+def test_max_pixels_takes_effect(checkpoint, media, reference):
+    _, b = tiny_images()  # 84 x 112: 12 tokens at the defaults
+    ids = image_prompt(media, "Hello, world!", " What is it?")
+    processor = media_processor(media)
+    vision = processor(images=[b], return_tensors="pt", size={"shortest_edge": 56 * 56, "longest_edge": 56 * 56})
+    full = expanded(media, ids, vision["image_grid_thw"])
+    expected = reference_greedy_vl(reference, full, NEW_TOKENS, pixel_values=vision["pixel_values"],
+                                   image_grid_thw=vision["image_grid_thw"], mm_token_type_ids=media.token_types(full))
+    llm = LLM(checkpoint, dtype="float32", device="cpu", vision_max_pixels=56 * 56)
+    out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": b}}], greedy(), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected
+    assert len(out.prompt_token_ids) == len(full) < len(ids) - 1 + 12  # fewer tokens than at the defaults
