@@ -191,3 +191,43 @@ def test_max_pixels_takes_effect(checkpoint, media, reference):
     out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": b}}], greedy(), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == expected
     assert len(out.prompt_token_ids) == len(full) < len(ids) - 1 + 12  # fewer tokens than at the defaults
+
+
+def test_video_and_image_batched_with_text(checkpoint, media, reference):
+    from vl_checkpoints import video_pixel_values
+
+    a, _ = tiny_images()
+    frames = tiny_video()  # 4 frames: 2 temporal patches
+    s, e = media.ids["<|vision_start|>"], media.ids["<|vision_end|>"]
+    vpad, ipad = media.ids["<|video_pad|>"], media.ids["<|image_pad|>"]
+    ids = text_ids(media, "Hello") + [s, ipad, e] + text_ids(media, " and") + [s, vpad, e] + text_ids(media, " what?")
+    image = media_processor(media)(images=[a], return_tensors="pt")
+    video_pixels, video_grid = video_pixel_values(media_processor(media), frames)
+    full = []
+    for t in ids:
+        full += ([ipad] * media.tokens(image["image_grid_thw"][0]) if t == ipad else
+                 [vpad] * media.tokens(video_grid[0]) if t == vpad else [t])
+    # Numpy frames carry no rate: 2 fps is assumed, so one temporal patch of 2 frames spans 1 s.
+    expected = reference_greedy_vl(reference, full, NEW_TOKENS, pixel_values=image["pixel_values"],
+                                   image_grid_thw=image["image_grid_thw"], pixel_values_videos=video_pixels,
+                                   video_grid_thw=video_grid, second_per_grid_ts=torch.tensor([1.0]),
+                                   mm_token_type_ids=media.token_types(full))
+    text = text_ids(media, "The quick brown fox")
+    llm = LLM(checkpoint, dtype="float32", device="cpu", max_num_batched_tokens=8)
+    outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": a, "video": frames}},
+                         {"prompt_token_ids": text}], greedy(), use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == expected
+    assert outs[1].outputs[0].token_ids == reference_greedy_vl(reference, text, NEW_TOKENS)
+
+
+def test_tensor_parallel_images_match(checkpoint, cases):
+    """Two ranks: the plan's media (pixels as bytes) crosses to the worker as msgpack, each rank
+    runs the replicated tower, and the tokens are transformers'."""
+    from parallel_cases import free_port
+
+    llm = LLM(checkpoint, dtype="float32", device="cpu", tp_size=2, master_port=free_port(), max_num_batched_tokens=8)
+    try:
+        assert llm.llm_engine.executor.world_size == 2
+        assert run(llm, cases) == [expected for _, expected in cases]
+    finally:
+        llm.close()
