@@ -1,0 +1,43 @@
+"""Qwen3-VL through the engine (DeepStack features, interleaved M-RoPE): images alone, two in a
+prompt and batched with text, chunked through an image, == transformers' generate in float32;
+its videos are refused by name (per-frame timestamps are not written yet)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_vl_engine import NEW_TOKENS, greedy, hf_image_tokens, image_prompt, other_image, text_ids
+from vl_checkpoints import make_vl_checkpoint, tiny_images, tiny_video
+from vl_reference import Media, reference_greedy_vl
+
+from metrale import LLM
+from metrale.messages.errors import InvalidRequestError
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_vl_checkpoint(str(tmp_path_factory.mktemp("qwen3_vl")), "qwen3_vl")
+
+
+def test_qwen3_vl_images_batched_with_text(checkpoint):
+    import transformers
+
+    reference = transformers.Qwen3VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    media = Media(checkpoint)
+    a, b = tiny_images()
+    c = other_image()
+    one = image_prompt(media, "Hello, world!", " What is it?")
+    two = image_prompt(media, "The quick brown fox", " jumps", count=2)
+    text = text_ids(media, "A paged KV cache stores keys")
+    expected = [hf_image_tokens(media, reference, one, [a]), hf_image_tokens(media, reference, two, [b, c]),
+                reference_greedy_vl(reference, text, NEW_TOKENS)]
+    llm = LLM(checkpoint, dtype="float32", device="cpu", max_num_batched_tokens=7)
+    outs = llm.generate([{"prompt_token_ids": one, "multi_modal_data": {"image": a}},
+                         {"prompt_token_ids": two, "multi_modal_data": {"image": [b, c]}},
+                         {"prompt_token_ids": text}], greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    s, e, vpad = media.ids["<|vision_start|>"], media.ids["<|vision_end|>"], media.ids["<|video_pad|>"]
+    with pytest.raises(InvalidRequestError, match="video on Qwen3VLForConditionalGeneration is not supported yet"):
+        llm.generate([{"prompt_token_ids": text + [s, vpad, e], "multi_modal_data": {"video": tiny_video()}}],
+                     greedy(), use_tqdm=False)
