@@ -3,6 +3,9 @@
     weights            exact, from the parameters of the model built on the meta device
     activation reserve estimated before loading; on CUDA measured by a profiling forward pass
                        at the largest step (max_num_batched_tokens) once the weights are in
+    encoder reserve    vision-language models: the encoder cache (the encoder budget's rows at the
+                       text width) and the vision tower's activations for the largest item the
+                       processor allows (max_pixels), estimated (estimate_encoder_bytes)
     state slots        models with per-request state (linear attention): one slot per running
                        sequence, the prefix cache's checkpoints, and a padding slot, at
                        state_bytes_per_slot; with speculative decoding also k scratch slots per
@@ -57,6 +60,8 @@ class MemoryPlan:
     # Speculative decoding's k on a model with state: a verify step keeps each running sequence's
     # state after each draft, in k scratch slots per sequence (layers/linear_attention/draft_states.py).
     draft_slots_per_seq: int = 0
+    encoder_reserve_bytes: int = 0  # vision-language models (estimate_encoder_bytes); 0 for text models
+    encoder_summary: str = ""
     # Resolved by fit_kv_blocks (and, for "auto" without state, from the KV capacity after it).
     max_num_seqs: int = 0
     num_checkpoint_slots: int = 0
@@ -97,7 +102,8 @@ class MemoryPlan:
 
     @property
     def predicted_bytes(self) -> int:
-        return self.weight_bytes + self.activation_reserve_bytes + self.kv_cache_bytes + self.state_cache_bytes
+        return (self.weight_bytes + self.activation_reserve_bytes + self.encoder_reserve_bytes + self.kv_cache_bytes
+                + self.state_cache_bytes)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -114,6 +120,8 @@ class MemoryPlan:
             ("weights", f"{self.weight_bytes / GiB:.2f} GiB" + (f" ({self.weight_format})" if self.weight_format else "")),
             ("activation reserve", f"{self.activation_reserve_bytes / GiB:.2f} GiB "
                                    f"({'measured' if self.activation_measured else 'estimated'})"),
+            *([("encoder reserve", f"{self.encoder_reserve_bytes / GiB:.2f} GiB (estimated: {self.encoder_summary})")]
+              if self.encoder_reserve_bytes else []),
             ("runtime overhead", f"{self.runtime_overhead_bytes / GiB:.2f} GiB"),
             ("KV bytes per token", f"{self.kv_bytes_per_token:,}"),
             ("KV cache", f"{self.kv_cache_bytes / GiB:.2f} GiB = {self.num_kv_blocks:,} blocks x {self.block_size} "
@@ -169,8 +177,32 @@ def estimate_activation_bytes(hf_config, dtype: torch.dtype, max_num_batched_tok
     return max_num_batched_tokens * per_token + logits
 
 
+def estimate_encoder_bytes(vision_config, text_hidden: int, dtype: torch.dtype, max_pixels: int,
+                           encoder_rows: int, width_factor: int = 1) -> tuple[int, str]:
+    """(bytes, summary) of a vision-language model's encoder reserve: the encoder cache of
+    `encoder_rows` rows of text_hidden * width_factor (DeepStack models keep wider rows), plus the
+    tower's transient memory for one item of `max_pixels`: per patch its widest intermediate and
+    a few hidden-size buffers, and float32 attention scores of one full-attention segment over
+    every patch (the reference SDPA path may materialize them)."""
+    element = torch.finfo(dtype).bits // 8
+    patch = int(getattr(vision_config, "patch_size", 14))
+    temporal = int(getattr(vision_config, "temporal_patch_size", 2))
+    patches = max(1, max_pixels // (patch * patch))
+    hidden = int(getattr(vision_config, "hidden_size", None) or getattr(vision_config, "embed_dim", 1280))
+    intermediate = int(getattr(vision_config, "intermediate_size", 0) or 4 * hidden)
+    heads = int(getattr(vision_config, "num_heads", 16))
+    inputs = patches * 3 * temporal * patch * patch * 4
+    per_patch = element * (3 * intermediate + 6 * hidden)
+    scores = 4 * heads * patches * patches
+    cache = encoder_rows * text_hidden * width_factor * element
+    total = inputs + patches * per_patch + scores + cache
+    return total, (f"cache {encoder_rows:,} rows x {text_hidden * width_factor}, one item of {max_pixels:,} pixels "
+                   f"= {patches:,} patches")
+
+
 def _left_for_caches(plan: MemoryPlan) -> int:
-    return plan.budget_bytes - plan.weight_bytes - plan.activation_reserve_bytes - plan.runtime_overhead_bytes
+    return (plan.budget_bytes - plan.weight_bytes - plan.activation_reserve_bytes - plan.encoder_reserve_bytes
+            - plan.runtime_overhead_bytes)
 
 
 def _typical_seq_tokens(max_model_len: int) -> int:

@@ -15,8 +15,8 @@ from metrale.distributed.launch import ParallelRuntime
 from metrale.executor.cache_layout import CacheLayout
 from metrale.executor.drafters import drafter_cached_layers, drafter_weight_bytes
 from metrale.executor.memory_plan import (CPU_DEFAULT_KV_BYTES, CUDA_RUNTIME_OVERHEAD_BYTES, MemoryPlan,
-                                          MemoryPlanError, estimate_activation_bytes, finish_plan,
-                                          fit_kv_blocks, parameter_bytes)
+                                          MemoryPlanError, estimate_activation_bytes, estimate_encoder_bytes,
+                                          finish_plan, fit_kv_blocks, parameter_bytes)
 from metrale.executor.model_runner import ModelRunner
 from metrale.executor.startup_passes import attention_layers, calibrate_kv_scales, profile_activation_bytes
 from metrale.executor.model_loader import construct_model
@@ -51,16 +51,17 @@ def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
                                            1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs),
                                            config.vocab_size)
     weights = parameter_bytes(meta_model) + drafter_weight_bytes(args.speculative_decoding, meta_model)
+    encoder, encoder_summary = encoder_reserve(args, config, meta_model, device)
     if device.type == "cuda" or device_total is not None:
         total = device_total if device_total is not None else torch.cuda.mem_get_info(device)[1]
         budget = int(total * args.gpu_memory_utilization)
         overhead = CUDA_RUNTIME_OVERHEAD_BYTES
         if args.kv_cache_memory is not None:
-            budget = min(budget, weights + activation + overhead + args.kv_cache_memory)
+            budget = min(budget, weights + activation + encoder + overhead + args.kv_cache_memory)
     else:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         overhead = 0
-        budget = weights + activation + (args.kv_cache_memory or CPU_DEFAULT_KV_BYTES)
+        budget = weights + activation + encoder + (args.kv_cache_memory or CPU_DEFAULT_KV_BYTES)
     checkpoints = args.state_checkpoint_slots if args.enable_prefix_caching else 0
     spec = args.speculative_decoding
     return MemoryPlan(device.type, total, budget, weights, activation, False, layout.bytes_per_token,
@@ -68,7 +69,34 @@ def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
                       state_bytes_per_slot=layout.bytes_per_slot, requested_checkpoint_slots=checkpoints,
                       draft_slots_per_seq=spec.num_speculative_tokens if spec is not None else 0,
                       cache_summary=layout.summary(),
-                      weight_format=config.quantization.describe() if config.quantization is not None else "")
+                      weight_format=config.quantization.describe() if config.quantization is not None else "",
+                      encoder_reserve_bytes=encoder, encoder_summary=encoder_summary)
+
+
+def encoder_reserve(args: EngineArgs, config: ModelConfig, meta_model, device: torch.device) -> tuple[int, str]:
+    """A vision-language model's encoder reserve (executor/memory_plan.py estimate_encoder_bytes)
+    for the largest item its processor allows: preprocessor_config.json's max pixels, lowered by
+    --mm-processor-kwargs and --vision-max-pixels; the cache at the encoder budget (engine.py)."""
+    vl_config = getattr(meta_model, "vl_config", None)
+    if not getattr(meta_model, "supports_multimodal", False) or vl_config is None:
+        return 0, ""
+    import json
+
+    path = os.path.join(config.model_dir, "preprocessor_config.json")
+    processor = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            processor = json.load(f)
+    size = processor.get("size") or {}
+    max_pixels = int(processor.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280)
+    max_pixels = int(args.processor_defaults.get("max_pixels", max_pixels))
+    if args.vision_max_pixels is not None:
+        max_pixels = min(max_pixels, args.vision_max_pixels)
+    vision = vl_config.vision_config
+    unit = int(processor.get("patch_size", vision.patch_size)) * int(processor.get("merge_size", 2))
+    rows = args.max_num_encoder_tokens or max(args.step_token_budget(device.type), max_pixels // (unit * unit))
+    width = 1 + len(getattr(vision, "deepstack_visual_indexes", None) or ())
+    return estimate_encoder_bytes(vision, config.hf_config.hidden_size, config.dtype, max_pixels, rows, width)
 
 
 def measure_on_cuda(plan: MemoryPlan, runner: ModelRunner, args: EngineArgs, device: torch.device) -> None:
