@@ -140,7 +140,11 @@ class MultiModalProcessor:
         from PIL import Image
 
         frames = getattr(video, "frames", video)
-        source_fps = float(getattr(video, "fps", 0.0) or kwargs.get("fps", DEFAULT_VIDEO_FPS))
+        # The rate of the frames as given: a DecodedVideo's frames over its duration (they may be
+        # sampled from the source already); bare numpy frames are taken at 2 fps.
+        duration = float(getattr(video, "duration_s", 0.0) or 0.0)
+        source_fps = len(frames) / duration if duration > 0 and getattr(video, "frames", None) is not None \
+            else float(getattr(video, "fps", 0.0) or DEFAULT_VIDEO_FPS)
         if not isinstance(frames, np.ndarray) or frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
             raise InvalidRequestError("a video is uint8 frames [T, H, W, 3] (numpy, or DecodedVideo.frames)",
                                       "multi_modal_data")
