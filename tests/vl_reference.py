@@ -66,6 +66,8 @@ def drive_multimodal(model, prompt: list[int], positions: np.ndarray, delta: int
     table = torch.from_numpy(positions)
 
     def wrapped(input_ids, index, multimodal=None):
+        if index.dim() == 2:  # the runner's [3, T] for an M-RoPE model: equal rows for a prompt without media
+            index = index[0]
         idx = index.cpu().numpy()
         in_prompt = idx < len(prompt)
         rows = torch.empty(3, len(idx), dtype=torch.int64)
