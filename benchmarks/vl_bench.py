@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import statistics
@@ -164,12 +165,18 @@ def _hf_weights(model) -> VLWeights:
     return VLWeights(count(vision), size(vision), count(text), size(text))
 
 
-def _hf_inputs(processor, requests, device):
+def _hf_inputs(model, processor, requests, device):
     images = [image for r in requests for image in r.images]
     processed = processor(images=images, return_tensors="pt")
     ids = torch.tensor([r.prompt_token_ids for r in requests], device=device)
-    return dict(input_ids=ids, attention_mask=torch.ones_like(ids),
-                pixel_values=processed["pixel_values"].to(device), image_grid_thw=processed["image_grid_thw"].to(device))
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+                  pixel_values=processed["pixel_values"].to(device),
+                  image_grid_thw=processed["image_grid_thw"].to(device))
+    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+        # Later 5.x releases find the images' positions from these (1: image), not from the ids,
+        # and without them silently rotate every token with 1-D positions.
+        inputs["mm_token_type_ids"] = (ids == requests[0].image_pad).int()
+    return inputs
 
 
 @torch.no_grad()
@@ -187,7 +194,7 @@ def run_hf(args, model_dir: str, cases: list[Case]) -> tuple[dict, VLWeights]:
             for i, request in enumerate(case.ttft_requests):
                 _sync(device)
                 start = time.perf_counter()
-                inputs = _hf_inputs(processor, [request], device)
+                inputs = _hf_inputs(model, processor, [request], device)
                 processed = time.perf_counter()
                 logits = model(**inputs, logits_to_keep=1).logits
                 token = int(logits[0, -1].argmax())
@@ -196,11 +203,11 @@ def run_hf(args, model_dir: str, cases: list[Case]) -> tuple[dict, VLWeights]:
                     seconds.append(time.perf_counter() - start)
                     processing.append(processed - start)
                 first_tokens.append(token)
-            inputs = _hf_inputs(processor, make_warmup(case), device)
+            inputs = _hf_inputs(model, processor, make_warmup(case), device)
             model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, do_sample=False)
             _sync(device)
             start = time.perf_counter()
-            inputs = _hf_inputs(processor, case.batch_requests, device)
+            inputs = _hf_inputs(model, processor, case.batch_requests, device)
             out = model.generate(**inputs, max_new_tokens=args.output_len, min_new_tokens=args.output_len,
                                  do_sample=False)
             _sync(device)
