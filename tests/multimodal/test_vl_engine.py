@@ -231,3 +231,31 @@ def test_tensor_parallel_images_match(checkpoint, cases):
         assert run(llm, cases) == [expected for _, expected in cases]
     finally:
         llm.close()
+
+
+def test_async_engine_takes_images_and_refuses_by_name(checkpoint, cases):
+    """The server's path: AsyncEngine.add_request with multi_modal_data; a refusal reaches the caller."""
+    import asyncio
+
+    from metrale.config.engine_args import EngineArgs
+    from metrale.engine.async_engine import AsyncEngine
+    from metrale.startup import build_llm_engine
+
+    args = EngineArgs(model=checkpoint, dtype="float32", device="cpu", limit_mm_per_prompt={"image": 1})
+
+    async def run():
+        engine = AsyncEngine(lambda: build_llm_engine(args), max_waiting=8)
+        engine.start()
+        await engine.wait_until_loaded()
+        try:
+            prompt, expected = cases[0]
+            tokens = []
+            async for out in engine.generate("a", prompt, greedy()):
+                tokens = list(out.outputs[0].token_ids)
+            assert tokens == expected
+            with pytest.raises(InvalidRequestError, match="limit-mm-per-prompt"):
+                await engine.add_request("b", cases[1][0], greedy())
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
