@@ -80,22 +80,15 @@ class Case:
 
 # -- met --------------------------------------------------------------------------------------
 
-def run_met(args, model_dir: str, cases: list[Case]) -> tuple[dict, VLWeights]:
+def run_met(args, model_dir: str, cases: list[Case]) -> dict:
     from metrale import LLM, SamplingParams
-    from metrale.bench.workload import weights_read_per_step
 
     max_images = max(c.images_per_request for c in cases)
     llm = LLM(model=model_dir, load_format="auto" if args.tiny else "dummy", dtype=args.dtype, device=args.device,
               skip_tokenizer_init=True, max_model_len=args.max_model_len, max_num_seqs=max(args.batch_size, 1),
               enforce_eager=args.enforce_eager, limit_mm_per_prompt={"image": max_images})
     try:
-        model = llm.llm_engine.runner.model
         device = llm.llm_engine.device
-        text_bytes, text_params = weights_read_per_step(model, 1)
-        vision = list(model.visual.parameters())
-        vision_bytes = sum(p.numel() * p.element_size() for p in vision)
-        weights = VLWeights(sum(p.numel() for p in vision), vision_bytes, text_params - sum(p.numel() for p in vision),
-                            text_bytes - vision_bytes)
         first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         results = {}
         for case in cases:
@@ -120,7 +113,7 @@ def run_met(args, model_dir: str, cases: list[Case]) -> tuple[dict, VLWeights]:
                 _summary(seconds), first_tokens=first_tokens, **_throughput(batch_seconds, case, args),
                 batch_tokens=[list(o.outputs[0].token_ids) for o in outs] if args.tiny else None,
                 output_tokens=sum(len(o.outputs[0].token_ids) for o in outs))
-        return results, weights
+        return results
     finally:
         llm.close()
 
@@ -153,6 +146,16 @@ def _hf_model(args, model_dir: str, device: torch.device):
     return model.eval()
 
 
+def _meta_weights(config, dtype: torch.dtype) -> VLWeights:
+    """The floors' weight counts, from transformers' model built on the meta device (the same
+    counts as met's: tests/models/test_qwen2_5_vl_parts.py), whichever framework runs."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=dtype)
+    return _hf_weights(model)
+
+
 def _hf_weights(model) -> VLWeights:
     visual = model.model.visual if hasattr(model.model, "visual") else model.visual
     embedding = model.get_input_embeddings().weight
@@ -180,13 +183,12 @@ def _hf_inputs(model, processor, requests, device):
 
 
 @torch.no_grad()
-def run_hf(args, model_dir: str, cases: list[Case]) -> tuple[dict, VLWeights]:
+def run_hf(args, model_dir: str, cases: list[Case]) -> dict:
     from transformers import AutoImageProcessor
 
     device = torch.device(args.device)
     model = _hf_model(args, model_dir, device)
     processor = AutoImageProcessor.from_pretrained(model_dir)
-    weights = _hf_weights(model)
     results = {}
     try:
         for case in cases:
@@ -222,7 +224,7 @@ def run_hf(args, model_dir: str, cases: list[Case]) -> tuple[dict, VLWeights]:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return results, weights
+    return results
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -253,21 +255,30 @@ def run(args) -> dict:
     model_dir = write_tiny_checkpoint(tempfile.mkdtemp(prefix="vl-bench-")) if args.tiny else args.model
     cases, (config, grid) = _cases(args, model_dir)
     rates = measure(torch.device(args.device))
-    frameworks, weights = {}, None
-    if not args.met_only:
-        frameworks["transformers"], weights = run_hf(args, model_dir, cases)
-    if not args.hf_only:
-        frameworks["met"], weights = run_met(args, model_dir, cases)  # met's counts when it ran
+    weights = _meta_weights(config, getattr(torch, args.dtype))
+    frameworks, wall = {}, {}
+    for name, part, skip in (("transformers", run_hf, args.met_only), ("met", run_met, args.hf_only)):
+        if skip:
+            continue
+        start = time.perf_counter()
+        try:
+            frameworks[name] = part(args, model_dir, cases)
+        except Exception as e:  # noqa: BLE001  (the other framework's figures still come back)
+            if args.tiny:
+                raise
+            print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            frameworks[name] = {"error": f"{type(e).__name__}: {e}"}
+        wall[name] = time.perf_counter() - start
     result = {"benchmark": "vl", "model": "tiny" if args.tiny else os.path.basename(model_dir.rstrip("/")),
               "device": rates.device, "dtype": args.dtype, "image_size": args.image_size, "image_grid_thw": grid,
               "batch_size": args.batch_size, "output_len": args.output_len, "num_iters": args.num_iters,
               "bandwidth_tb_s": rates.bandwidth_bytes_per_s / 1e12, "matmul_tflops": rates.matmul_flops_per_s / 1e12,
-              "weights": vars(weights), "commit": os.environ.get("MET_COMMIT"), "cases": []}
+              "weights": vars(weights), "wall_seconds": wall, "commit": os.environ.get("MET_COMMIT"), "cases": []}
     for case in cases:
         row = {"images_per_request": case.images_per_request, "tokens_per_image": case.tokens_per_image,
                "prompt_len": case.prompt_len, **_floors(case, weights, config, grid, rates, args)}
         for name, per_case in frameworks.items():
-            row[name] = per_case[case.images_per_request]
+            row[name] = per_case.get(case.images_per_request, per_case)
         if args.tiny and len(frameworks) == 2:  # the same weights: the same greedy tokens
             met, hf = row["met"], row["transformers"]
             row["tokens_equal"] = met["first_tokens"] == hf["first_tokens"] and met["batch_tokens"] == hf["batch_tokens"]
@@ -289,6 +300,9 @@ def print_table(result: dict, rates) -> None:
         for name in ("met", "transformers"):
             r = row.get(name)
             if r is None:
+                continue
+            if "error" in r:
+                print(f"{row['images_per_request']:>6} {name:>12} failed: {r['error'][:200]}")
                 continue
             print(f"{row['images_per_request']:>6} {name:>12} {r['ttft_median_s'] * 1e3:12.2f} {r['ttft_p99_s'] * 1e3:9.2f} "
                   f"{row['floor_ttft_s'] * 1e3:9.2f} {row['floor_ttft_s'] / r['ttft_median_s']:9.1%} "
