@@ -109,24 +109,24 @@ def run_met(args, model_dir: str, cases: list[Case]) -> dict:
             outs = llm.generate([r.met_prompt() for r in case.batch_requests], params, use_tqdm=False)
             _sync(device)
             batch_seconds = time.perf_counter() - start
+            output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             results[case.images_per_request] = dict(
-                _summary(seconds), first_tokens=first_tokens, **_throughput(batch_seconds, case, args),
-                batch_tokens=[list(o.outputs[0].token_ids) for o in outs] if args.tiny else None,
-                output_tokens=sum(len(o.outputs[0].token_ids) for o in outs))
+                _summary(seconds), first_tokens=first_tokens, **_throughput(batch_seconds, output_tokens, case, args),
+                batch_tokens=[list(o.outputs[0].token_ids) for o in outs] if args.tiny else None)
         return results
     finally:
         llm.close()
 
 
 def make_warmup(case: Case) -> list:
-    """Two requests shaped as the batch's (so the first batch of that shape is not the one timed),
-    with images of their own: the TTFT requests' (the warm-up's encoder outputs are not the batch's)."""
+    """Two of the TTFT requests, run as a batch of 2 tokens before the timed batch, so that the
+    first batched prefill and decode are not the timed ones. Their images are not the batch's:
+    they warm no cache entry that the timed batch could reuse."""
     return case.ttft_requests[:2]
 
 
-def _throughput(seconds: float, case: Case, args) -> dict:
-    output_tokens = args.batch_size * args.output_len
-    return {"batch_seconds": seconds, "output_tokens_per_s": output_tokens / seconds,
+def _throughput(seconds: float, output_tokens: int, case: Case, args) -> dict:
+    return {"batch_seconds": seconds, "output_tokens": output_tokens, "output_tokens_per_s": output_tokens / seconds,
             "total_tokens_per_s": (output_tokens + args.batch_size * case.prompt_len) / seconds}
 
 
@@ -217,13 +217,10 @@ def run_hf(args, model_dir: str, cases: list[Case]) -> dict:
             new = out[:, inputs["input_ids"].shape[1]:]
             results[case.images_per_request] = dict(
                 _summary(seconds), processor_median_s=statistics.median(processing), first_tokens=first_tokens,
-                **_throughput(batch_seconds, case, args), batch_tokens=new.tolist() if args.tiny else None,
-                output_tokens=int(new.numel()))
+                **_throughput(batch_seconds, int(new.numel()), case, args),
+                batch_tokens=new.tolist() if args.tiny else None)
     finally:
         del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     return results
 
 
@@ -248,7 +245,8 @@ def _floors(case: Case, weights: VLWeights, config, grid, rates, args) -> dict:
     batch = batch_floor(weights, text, config.vision_config, [grid] * (case.images_per_request * args.batch_size),
                         [case.prompt_len] * args.batch_size, args.output_len, rates)
     return {"floor_ttft_s": ttft.seconds, "floor_ttft_bound": ttft.bound, "floor_batch_s": batch.seconds,
-            "floor_batch_bound": batch.bound, "floor_output_tokens_per_s": args.batch_size * args.output_len / batch.seconds}
+            "floor_batch_bound": batch.bound,
+            "floor_output_tokens_per_s": args.batch_size * args.output_len / batch.seconds}
 
 
 def run(args) -> dict:
@@ -269,6 +267,9 @@ def run(args) -> dict:
             print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr)
             frameworks[name] = {"error": f"{type(e).__name__}: {e}"}
         wall[name] = time.perf_counter() - start
+        gc.collect()  # transformers' model and inputs gone before met's memory plan reads the free memory
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.empty_cache()
     result = {"benchmark": "vl", "model": "tiny" if args.tiny else os.path.basename(model_dir.rstrip("/")),
               "device": rates.device, "dtype": args.dtype, "image_size": args.image_size, "image_grid_thw": grid,
               "batch_size": args.batch_size, "output_len": args.output_len, "num_iters": args.num_iters,
@@ -281,7 +282,8 @@ def run(args) -> dict:
             row[name] = per_case.get(case.images_per_request, per_case)
         if args.tiny and len(frameworks) == 2:  # the same weights: the same greedy tokens
             met, hf = row["met"], row["transformers"]
-            row["tokens_equal"] = met["first_tokens"] == hf["first_tokens"] and met["batch_tokens"] == hf["batch_tokens"]
+            row["tokens_equal"] = (met["first_tokens"] == hf["first_tokens"]
+                                   and met["batch_tokens"] == hf["batch_tokens"])
         result["cases"].append(row)
     print_table(result, rates)
     if args.output_json:
@@ -304,9 +306,11 @@ def print_table(result: dict, rates) -> None:
             if "error" in r:
                 print(f"{row['images_per_request']:>6} {name:>12} failed: {r['error'][:200]}")
                 continue
-            print(f"{row['images_per_request']:>6} {name:>12} {r['ttft_median_s'] * 1e3:12.2f} {r['ttft_p99_s'] * 1e3:9.2f} "
+            print(f"{row['images_per_request']:>6} {name:>12} {r['ttft_median_s'] * 1e3:12.2f} "
+                  f"{r['ttft_p99_s'] * 1e3:9.2f} "
                   f"{row['floor_ttft_s'] * 1e3:9.2f} {row['floor_ttft_s'] / r['ttft_median_s']:9.1%} "
-                  f"{r['batch_seconds']:8.2f} {r['output_tokens_per_s']:10.1f} {row['floor_output_tokens_per_s']:11.1f} "
+                  f"{r['batch_seconds']:8.2f} {r['output_tokens_per_s']:10.1f} "
+                  f"{row['floor_output_tokens_per_s']:11.1f} "
                   f"{row['floor_batch_s'] / r['batch_seconds']:9.1%}")
         if "tokens_equal" in row:
             print(f"{'':>6} greedy tokens met == transformers: {row['tokens_equal']}")
