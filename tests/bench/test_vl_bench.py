@@ -11,7 +11,6 @@ import pytest
 from metrale.bench.hardware import HardwareRates
 from metrale.bench.vision_floor import VLWeights, batch_floor, kv_bytes_per_token, qwen2_5_vision_flops, ttft_floor
 from metrale.bench.vl_workload import VisionTokens, make_requests, prompt_ids
-from metrale.config.engine_args import EngineArgs
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
@@ -62,11 +61,6 @@ def test_prompts_lay_out_each_image_and_differ_per_request():
     assert again.prompt_token_ids == a.prompt_token_ids and again.images[0].tobytes() == a.images[0].tobytes()
 
 
-ENGINE_TAKES_IMAGES = "limit_mm_per_prompt" in EngineArgs.__dataclass_fields__
-
-
-@pytest.mark.skipif(not ENGINE_TAKES_IMAGES, reason="LLM.generate with multi_modal_data is not in the engine yet "
-                    "(no --limit-mm-per-prompt: issue 19's engine part)")
 def test_tiny_run_gives_transformers_tokens(tmp_path):
     import vl_bench
 
@@ -92,3 +86,25 @@ def test_met_gets_one_placeholder_per_image():
     assert request.prompt_token_ids.count(9) == 6 and met["prompt_token_ids"].count(9) == 2
     assert [t for t in request.prompt_token_ids if t != 9] == [t for t in met["prompt_token_ids"] if t != 9]
     assert met["multi_modal_data"]["image"] == request.images
+
+
+def test_shipped_7b_prompt_is_what_mets_processor_expands():
+    """The GPU run's inputs, offline: the shipped preprocessor config turns a 1024x1024 image into
+    74x74 patches (1369 tokens), and met's processor expands the one-placeholder prompt to exactly
+    the ids transformers is given."""
+    import transformers
+
+    import vl_bench
+    from metrale.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+    from metrale.multimodal.processor import MultiModalProcessor
+
+    args = vl_bench.parse_args(["--num-iters", "1", "--batch-size", "1", "--images-per-request", "2"])
+    cases, (config, grid) = vl_bench._cases(args, vl_bench.SHIPPED)
+    assert grid == [1, 74, 74] and cases[0].tokens_per_image == 1369 and cases[0].prompt_len == 64 + 2 * 1371
+    request = cases[0].batch_requests[0]
+    processor = MultiModalProcessor(vl_bench.SHIPPED, Qwen2_5_VLForConditionalGeneration,
+                                    transformers.AutoConfig.from_pretrained(vl_bench.SHIPPED))
+    prompt = request.met_prompt()
+    processed = processor.process(prompt["prompt_token_ids"], prompt["multi_modal_data"], None)
+    assert processed.token_ids == request.prompt_token_ids
+    assert [item.grid_thw for item in processed.items] == [(1, 74, 74)] * 2
