@@ -60,6 +60,8 @@ class LLMEngine:
                         "(--generation-config vllm turns them off)",
                         ", ".join(f"{k}={v}" for k, v in self.sampling_defaults.items()))
         self.mm_processor = self._mm_processor(args)
+        # The model takes images and video (the server and LLM.chat refuse media parts otherwise).
+        self.supports_multimodal = self.mm_processor is not None
         self.scheduler = Scheduler(num_kv_blocks=parts.plan.num_kv_blocks, block_size=args.block_size,
                                    max_num_seqs=parts.max_num_seqs,
                                    max_num_batched_tokens=args.step_token_budget(self.device.type),

@@ -259,3 +259,15 @@ def test_async_engine_takes_images_and_refuses_by_name(checkpoint, cases):
             engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_llm_chat_with_an_image_part(checkpoint, media, reference):
+    """LLM.chat's content parts (the fetcher's path) reach the engine's processor: == transformers."""
+    a, _ = tiny_images()
+    rendered = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe it.<|im_end|>\n"
+                "<|im_start|>assistant\n")
+    expected = hf_image_tokens(media, reference, media.tokenizer.encode(rendered, add_special_tokens=False), [a])
+    llm = LLM(checkpoint, dtype="float32", device="cpu")
+    out = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": a},
+                                                 {"type": "text", "text": "Describe it."}]}], greedy(), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == expected
