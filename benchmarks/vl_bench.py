@@ -165,7 +165,7 @@ def _hf_weights(model) -> VLWeights:
     text = [p for p in model.parameters() if id(p) not in vision_ids and (tied or p is not embedding)]
     count = lambda ps: sum(p.numel() for p in ps)  # noqa: E731
     size = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
-    return VLWeights(count(vision), size(vision), count(text), size(text))
+    return VLWeights(count(vision), size(vision), count(text), size(text), model.get_output_embeddings().weight.numel())
 
 
 def _hf_inputs(model, processor, requests, device):

@@ -51,11 +51,14 @@ def _attention_width(text_config) -> int:
     return text_config.num_attention_heads * head_dim
 
 
-def text_prefill_flops(text_config, active_params: int, prompt_lengths: list[int]) -> float:
-    """Every prompt token through the linear layers; causal attention (L (L + 1) / 2 scores each)."""
+def text_prefill_flops(text_config, active_params: int, prompt_lengths: list[int], lm_head_params: int = 0) -> float:
+    """Every prompt token through the decoder's linear layers, the LM head on each prompt's last
+    token only (`active_params` counts the head too); causal attention (L (L + 1) / 2 scores each)."""
     width, layers = _attention_width(text_config), text_config.num_hidden_layers
     scores = sum(n * (n + 1) // 2 for n in prompt_lengths)
-    return 2.0 * active_params * sum(prompt_lengths) + 4.0 * layers * width * scores
+    trunk = active_params - lm_head_params
+    return (2.0 * trunk * sum(prompt_lengths) + 2.0 * lm_head_params * len(prompt_lengths)
+            + 4.0 * layers * width * scores)
 
 
 def text_decode_flops(text_config, active_params: int, prompt_lengths: list[int], output_len: int) -> float:
@@ -74,20 +77,22 @@ def kv_bytes_per_token(text_config, element_bytes: int = 2) -> int:
 @dataclass(frozen=True)
 class VLWeights:
     """What a step reads and computes: the tower's parameters, and the text model's without the
-    input embedding (only its rows are gathered) unless it is the LM head too."""
+    input embedding (only its rows are gathered) unless it is the LM head too; the LM head's
+    share of the text parameters, which a prefill runs on one row per prompt."""
 
     vision_params: int
     vision_bytes: int
     text_params: int
     text_bytes: int
+    lm_head_params: int = 0
 
 
 def ttft_floor(weights: VLWeights, text_config, vision_config, grids_thw: list[list[int]], prompt_len: int,
                rates: HardwareRates) -> Floor:
     """One request: its images through the tower, its prompt through the text model, every
     weight read once."""
-    flops = qwen2_5_vision_flops(vision_config, grids_thw) + text_prefill_flops(text_config, weights.text_params,
-                                                                                [prompt_len])
+    flops = qwen2_5_vision_flops(vision_config, grids_thw) + text_prefill_flops(
+        text_config, weights.text_params, [prompt_len], weights.lm_head_params)
     return Floor(weights.vision_bytes + weights.text_bytes, flops, rates)
 
 
@@ -101,6 +106,6 @@ def batch_floor(weights: VLWeights, text_config, vision_config, grids_thw: list[
     kv_reads = sum(n + t for n in prompt_lengths for t in range(1, output_len))
     moved = weights.vision_bytes + weights.text_bytes * (1 + steps) + kv * (sum(prompt_lengths) + kv_reads)
     flops = (qwen2_5_vision_flops(vision_config, grids_thw)
-             + text_prefill_flops(text_config, weights.text_params, prompt_lengths)
+             + text_prefill_flops(text_config, weights.text_params, prompt_lengths, weights.lm_head_params)
              + text_decode_flops(text_config, weights.text_params, prompt_lengths, output_len))
     return Floor(moved, flops, rates)

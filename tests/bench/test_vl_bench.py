@@ -36,17 +36,18 @@ def test_vision_flops_refuse_another_tower():
 
 def test_floors_add_tower_prefill_and_decode():
     rates = HardwareRates("test", 1e12, 1e14)
-    weights = VLWeights(vision_params=10, vision_bytes=20, text_params=1000, text_bytes=2000)
+    weights = VLWeights(vision_params=10, vision_bytes=20, text_params=1000, text_bytes=2000, lm_head_params=100)
     vision = qwen2_5_vision_flops(VISION, [[1, 4, 4]])
     ttft = ttft_floor(weights, TEXT, VISION, [[1, 4, 4]], 10, rates)
     assert ttft.bytes_moved == 2020
-    assert ttft.flops == vision + 2 * 1000 * 10 + 4 * 2 * 64 * 55
+    assert ttft.flops == vision + 2 * 900 * 10 + 2 * 100 + 4 * 2 * 64 * 55  # the LM head on the last token only
     batch = batch_floor(weights, TEXT, VISION, [[1, 4, 4]] * 2, [10, 10], 3, rates)
     kv = kv_bytes_per_token(TEXT)
     assert kv == 2 * 2 * 2 * 16 * 2
     # Two decode steps read the text weights again and contexts 11, 12 for each request.
     assert batch.bytes_moved == 20 + 2000 * 3 + kv * (20 + 2 * (11 + 12))
-    assert batch.flops == 2 * vision + 2 * 1000 * 20 + 4 * 2 * 64 * 110 + 2 * 1000 * 4 + 4 * 2 * 64 * 2 * (11 + 12)
+    assert batch.flops == (2 * vision + 2 * 900 * 20 + 2 * 100 * 2 + 4 * 2 * 64 * 110
+                           + 2 * 1000 * 4 + 4 * 2 * 64 * 2 * (11 + 12))
 
 
 def test_prompts_lay_out_each_image_and_differ_per_request():
