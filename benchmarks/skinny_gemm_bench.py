@@ -53,7 +53,7 @@ def main() -> int:
         copies = min(args.calls, max(1, math.ceil(4 * l2 / wbytes)))
         gen = torch.Generator(device="cuda").manual_seed(0)
         weights = [(torch.randn(N, K, device="cuda", generator=gen) / K ** 0.5).to(dtype) for _ in range(copies)]
-        floor = wbytes / (bw / 2) * 1e6  # a copy moves 2 bytes per byte: read bandwidth is bw / 2 each way
+        floor = wbytes / bw * 1e6  # the weight read once at the copy bandwidth (read + write bytes / s)
         for M in (int(m) for m in args.m.split(",")):
             x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
             ref = F.linear(x, weights[0]).float()
