@@ -6,16 +6,17 @@ against its floor and against transformers, in one job.
     python benchmarks/vl_bench.py --met-only | --hf-only
 
 For each count of images per request (1 and 4 of 1024x1024 by default):
-- TTFT: one request at a time, --num-iters times after one warm-up, median and p99. met: from
-  `LLM.generate` with the PIL images to the first token (max_tokens 1; the image processor, the
-  tower, the prefill and the sampler included). transformers: its image processor, then one
+- TTFT: one request at a time, --num-iters times after one warm-up, median and p99 (numpy's
+  linear interpolation: of 10, nearly the slowest). met: from `LLM.generate` with the PIL
+  images to the first token (max_tokens 1; the image processor, the tower, the prefill and the
+  sampler included). transformers: its image processor, then one
   forward (`logits_to_keep=1`) and the argmax; the processor's share is reported on its own too.
 - Throughput: --batch-size requests run to --output-len tokens each (ignore_eos / min_new_tokens),
   from PIL images to the last token; transformers' `generate` on the batch (no padding: every
   prompt has the same length).
 - Floors (metrale/bench/vision_floor.py): matmul FLOPs of the tower and the text model over the
   measured bf16 matmul rate, or the weights' (and KV's) bytes over the measured bandwidth,
-  whichever is larger.
+  whichever is larger. On the CPU the rates are float32 ones: the --tiny floors mean nothing.
 
 The model is metrale/model_configs/Qwen2.5-VL-7B-Instruct with random weights in bf16: met's
 `--load-format dummy`, transformers' own random init (so their tokens differ; only time is
