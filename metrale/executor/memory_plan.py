@@ -182,20 +182,20 @@ def estimate_encoder_bytes(vision_config, text_hidden: int, dtype: torch.dtype, 
     """(bytes, summary) of a vision-language model's encoder reserve: the encoder cache of
     `encoder_rows` rows of text_hidden * width_factor (DeepStack models keep wider rows), plus the
     tower's transient memory for one item of `max_pixels`: per patch its widest intermediate and
-    a few hidden-size buffers, and float32 attention scores of one full-attention segment over
-    every patch (the reference SDPA path may materialize them)."""
+    a few hidden-size buffers (q, k, v and the output among them). No attention scores: the
+    tower's attention is unmasked SDPA per segment (layers/vision/attention.py), which runs a
+    flash or memory-efficient kernel on CUDA and on the CPU and never holds patches^2 scores (for
+    Qwen2.5-VL's default 12.8 Mpx that would be 275 GB, and no model would start)."""
     element = torch.finfo(dtype).bits // 8
     patch = int(getattr(vision_config, "patch_size", 14))
     temporal = int(getattr(vision_config, "temporal_patch_size", 2))
     patches = max(1, max_pixels // (patch * patch))
     hidden = int(getattr(vision_config, "hidden_size", None) or getattr(vision_config, "embed_dim", 1280))
     intermediate = int(getattr(vision_config, "intermediate_size", 0) or 4 * hidden)
-    heads = int(getattr(vision_config, "num_heads", 16))
     inputs = patches * 3 * temporal * patch * patch * 4
     per_patch = element * (3 * intermediate + 6 * hidden)
-    scores = 4 * heads * patches * patches
     cache = encoder_rows * text_hidden * width_factor * element
-    total = inputs + patches * per_patch + scores + cache
+    total = inputs + patches * per_patch + cache
     return total, (f"cache {encoder_rows:,} rows x {text_hidden * width_factor}, one item of {max_pixels:,} pixels "
                    f"= {patches:,} patches")
 

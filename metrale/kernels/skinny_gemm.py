@@ -39,12 +39,15 @@ class SkinnyConfig(NamedTuple):
 
 
 def skinny_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> SkinnyConfig:
-    """Default launch config: 16 weight rows per program (N / 16 programs: 256 to 1536 for
-    Qwen3-8B's projections, several per SM), 256-element chunks (a 16 x 256 tile is 8 KiB in
-    bf16), 4 warps, a 4-deep cp.async ring. Set from H200 runs of benchmarks/skinny_gemm_bench.py
-    (docs/benchmarks.md)."""
+    """Default launch config, from an H200 run of benchmarks/skinny_gemm_bench.py (`f788f90`, bf16,
+    M = 2..16, us per call against cuBLAS; docs/benchmarks.md): 256-element chunks and a 4-deep
+    cp.async ring everywhere; 16 weight rows per program with 2 warps for N = 6144 (qkv: 15.2 vs
+    15.6), 32 rows with 4 warps otherwise (o_proj 4096 x 4096: 11.8 vs 13.1; down 4096 x 12288:
+    27.8 vs 30.2; gate_up 24576 x 4096: 50.0, cuBLAS's 49.8)."""
     block_k = min(256 if dtype.itemsize <= 2 else 128, max(16, triton.next_power_of_2(K)))
-    return SkinnyConfig(block_n=16, block_k=block_k, num_warps=4, num_stages=4)
+    if 4096 < N <= 8192:
+        return SkinnyConfig(block_n=16, block_k=block_k, num_warps=2, num_stages=4)
+    return SkinnyConfig(block_n=32, block_k=block_k, num_warps=4, num_stages=4)
 
 
 @triton.jit

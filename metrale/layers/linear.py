@@ -23,6 +23,7 @@ from torch import nn
 from metrale.distributed.head_split import attention_split, scaled, starts_of
 from metrale.distributed.parallel_state import get_tp_group
 from metrale.kernels.gemv import gemv
+from metrale.kernels.skinny_gemm import skinny_gemm
 from metrale.layers.deferred_weights import new_weight
 
 
@@ -72,8 +73,14 @@ class LinearBase(nn.Module):
         if self.fp8 is not None:
             return self.fp8.matmul(self, x, bias)
         # One token (batch-1 decode) reads the weight once: on CUDA the Triton GEMV beats cuBLAS
-        # on every projection of Qwen3-8B at one row (benchmarks/gemv_bench.py). Else F.linear.
-        return gemv(x, self.weight, bias) if _one_row(x) else F.linear(x, self.weight, bias)
+        # on every projection of Qwen3-8B at one row (benchmarks/gemv_bench.py). 2..16 rows (a
+        # verify step at small batch): the skinny tensor-core GEMM where it was measured to win
+        # (benchmarks/skinny_gemm_bench.py). Else F.linear.
+        if _one_row(x):
+            return gemv(x, self.weight, bias)
+        if _skinny_shape(x, self.weight):
+            return skinny_gemm(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -85,6 +92,14 @@ class LinearBase(nn.Module):
 
 def _one_row(x: torch.Tensor) -> bool:
     return x.numel() == x.shape[-1]
+
+
+def _skinny_shape(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """2..16 rows on a weight of the shapes the skinny GEMM beat cuBLAS on (K >= 4096, N <= 8192:
+    Qwen3-8B's qkv, o_proj and down on an H200); wider or shallower weights keep cuBLAS, which
+    was as fast on gate_up and is unmeasured elsewhere."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return 2 <= rows <= 16 and weight.shape[1] >= 4096 and weight.shape[0] <= 8192
 
 
 class ReplicatedLinear(LinearBase):
