@@ -3,6 +3,7 @@
 #     OUT=/tmp/out bash benchmarks/run_spec_suite.sh tests|bench|latency
 # tests:   the speculative GPU tests (verify graphs, rejection kernel, multi-query decode, hybrid
 #          rollback, DFlash, cost table) with the decode path's tests beside them;
+# verify:  benchmarks/spec_verify_bench.py alone (VERIFY_BATCHES, VERIFY_KS);
 # bench:   benchmarks/spec_verify_bench.py (a verify step against a plain one) and
 #          `met benchmark spec-cost-table` on the Qwen3-8B config;
 # latency: batch-1 `met bench latency` plain and with n-gram drafts, demo model and Qwen3-8B config
@@ -23,16 +24,19 @@ Q8=metrale/model_configs/Qwen3-8B
 for part in "$@"; do
   case $part in
     tests)
-      timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -rs -p no:cacheprovider --durations=15 \
-        tests/gpu/test_gpu_speculative.py tests/kernels/test_multi_query_decode.py tests/kernels/test_rejection_kernel.py \
-        tests/gpu/test_gpu_spec_hybrid.py tests/gpu/test_gpu_mtp.py tests/gpu/test_gpu_dflash.py tests/gpu/test_gpu_spec_cost_table.py \
-        tests/gpu/test_gpu_generation.py tests/gpu/test_gpu_mla_backend.py tests/gpu/test_gpu_glm5_next.py \
+      TESTS=${SPEC_TESTS:-"tests/gpu/test_gpu_speculative.py tests/kernels/test_multi_query_decode.py
+        tests/kernels/test_rejection_kernel.py tests/kernels/test_skinny_gemm.py tests/gpu/test_gpu_spec_hybrid.py
+        tests/gpu/test_gpu_mtp.py tests/gpu/test_gpu_dflash.py tests/gpu/test_gpu_spec_cost_table.py
+        tests/gpu/test_gpu_generation.py tests/gpu/test_gpu_mla_backend.py tests/gpu/test_gpu_glm5_next.py"}
+      timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -rs -p no:cacheprovider --durations=15 $TESTS \
         > "$W/gpu_tests.log" 2>&1
       grep -E "FAILED|ERROR|passed|failed" "$W/gpu_tests.log" | tail -25 ;;
-    bench)
-      timeout 150 python3 benchmarks/spec_verify_bench.py --model $Q8 --batch-sizes 1,4,16 --ks 1,2,3,4,5,6,7,8 \
-        --context-len 1024 --output "$W/spec_verify_qwen3_8b.json" > "$W/spec_verify.log" 2>&1
+    bench|verify)
+      timeout 150 python3 benchmarks/spec_verify_bench.py --model $Q8 --batch-sizes ${VERIFY_BATCHES:-1,4,16} \
+        --ks ${VERIFY_KS:-1,2,3,4,5,6,7,8} --context-len 1024 --output "$W/spec_verify_qwen3_8b.json" \
+        > "$W/spec_verify.log" 2>&1
       tail -30 "$W/spec_verify.log"
+      [ $part = verify ] && continue
       timeout 240 $MET benchmark spec-cost-table --model $Q8 --load-format dummy \
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 8}' \
         --batch-sizes 1,2,4,8,16,32,64,128,256 --draft-counts 0,1,2,3,4,5,6,7,8 --context-len 512 \
@@ -40,7 +44,7 @@ for part in "$@"; do
       tail -15 "$W/spec_cost.log" ;;
     latency)
       NG='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
-      for model in demo Qwen3-8B; do
+      for model in ${LATENCY_MODELS:-demo Qwen3-8B}; do
         extra=""; [ $model = Qwen3-8B ] && extra="--load-format dummy"
         common="--model $model $extra --batch-size 1 --input-len 512 --output-len 128 --max-model-len 2048 --max-num-seqs 8"
         timeout 100 $MET bench latency $common --output-json "$W/latency_${model}_plain.json" > "$W/latency_${model}_plain.log" 2>&1
@@ -49,9 +53,10 @@ for part in "$@"; do
           --output-json "$W/latency_${model}_ngram.json" > "$W/latency_${model}_ngram.log" 2>&1
         tail -5 "$W/latency_${model}_ngram.log"
       done
-      if [ -f "$W/spec_cost_qwen3_8b_h200.json" ]; then  # after `bench`: k chosen per step from the table
+      TABLE=${SPEC_TABLE:-$W/spec_cost_qwen3_8b_h200.json}
+      if [ -f "$TABLE" ]; then  # after `bench` (or SPEC_TABLE): k chosen per step from the table
         timeout 100 $MET bench latency $common --speculative-config "$NG" --spec-cost-model measured \
-          --spec-cost-calibration "$W/spec_cost_qwen3_8b_h200.json" \
+          --spec-cost-calibration "$TABLE" \
           --output-json "$W/latency_Qwen3-8B_ngram_measured.json" > "$W/latency_Qwen3-8B_ngram_measured.log" 2>&1
         tail -5 "$W/latency_Qwen3-8B_ngram_measured.log"
       fi ;;
