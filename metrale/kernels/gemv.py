@@ -191,18 +191,15 @@ def _gemv_kernel(
         _gemv_store(acc3, b, y_ptrs + 3 * stride_ym, nmask, HAS_BIAS)
 
 
-def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                block_n: int | None = None, block_k: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 4) @ weight[N, K].T (+ bias[N]) -> [M, N] in x's dtype, always via Triton.
-
-    The keyword overrides replace fields of `gemv_config(M, N, K, dtype)` (for benchmarks);
-    block_n and block_k must be powers of two.
-    """
+def linear_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int,
+                    name: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, bool]:
+    """The checks and the output of a small-M linear kernel (this GEMV, kernels/skinny_gemm.py):
+    (x with contiguous rows, contiguous bias, y [M, N] allocated, done) where done means y is
+    already the answer (an empty shape, or K == 0: the bias alone)."""
     assert x.dim() == 2 and weight.dim() == 2, "x [M, K], weight [N, K]"
     M, K = x.shape
     N = weight.shape[0]
-    assert M <= MAX_M, f"gemv handles at most {MAX_M} rows, got {M}"
+    assert M <= max_rows, f"{name} handles at most {max_rows} rows, got {M}"
     assert weight.shape[1] == K, f"x has K={K}, weight {tuple(weight.shape)}"
     assert x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32), \
         (x.dtype, weight.dtype)
@@ -214,9 +211,24 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         bias = bias.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
-        return y
+        return x, bias, y, True
     if K == 0:
-        return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
+        return x, bias, (y.zero_() if bias is None else y.copy_(bias.expand(M, N))), True
+    return x, bias, y, False
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                block_n: int | None = None, block_k: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 4) @ weight[N, K].T (+ bias[N]) -> [M, N] in x's dtype, always via Triton.
+
+    The keyword overrides replace fields of `gemv_config(M, N, K, dtype)` (for benchmarks);
+    block_n and block_k must be powers of two.
+    """
+    x, bias, y, done = linear_operands(x, weight, bias, MAX_M, "gemv")
+    if done:
+        return y
+    (M, K), N = x.shape, weight.shape[0]
 
     cfg = gemv_config(M, N, K, x.dtype)
     cfg = GemvConfig(block_n=block_n or cfg.block_n, block_k=block_k or cfg.block_k,

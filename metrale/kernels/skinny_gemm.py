@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from metrale.kernels import interpret_mode, pdl_args, pdl_wait, tl, triton, use_triton
+from metrale.kernels.gemv import linear_operands
 
 MIN_M, MAX_M = 2, 16
 _BLOCK_M = 16  # x's rows, padded: the smallest tl.dot operand
@@ -92,23 +93,10 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                        num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16) @ weight[N, K].T (+ bias[N]) -> [M, N] in x's dtype, always via Triton.
     The keyword overrides replace fields of `skinny_config` (for benchmarks)."""
-    assert x.dim() == 2 and weight.dim() == 2, "x [M, K], weight [N, K]"
-    M, K = x.shape
-    N = weight.shape[0]
-    assert M <= MAX_M, f"skinny_gemm handles at most {MAX_M} rows, got {M}"
-    assert weight.shape[1] == K and x.dtype == weight.dtype, (x.shape, weight.shape, x.dtype, weight.dtype)
-    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
-    assert weight.stride(1) == 1, "weight rows must be contiguous"
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        assert bias.shape == (N,) and bias.dtype == x.dtype, (bias.shape, bias.dtype)
-        bias = bias.contiguous()
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
+    x, bias, y, done = linear_operands(x, weight, bias, MAX_M, "skinny_gemm")
+    if done:
         return y
-    if K == 0:
-        return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
+    (M, K), N = x.shape, weight.shape[0]
     cfg = skinny_config(M, N, K, x.dtype)
     cfg = SkinnyConfig(block_n or cfg.block_n, block_k or cfg.block_k, num_warps or cfg.num_warps,
                        num_stages or cfg.num_stages)
