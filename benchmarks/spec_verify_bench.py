@@ -34,6 +34,7 @@ from metrale import LLM  # noqa: E402
 from metrale.executor.cuda_graphs import VerifyGraphs  # noqa: E402
 from metrale.executor.rejection_sampler import verify_drafts  # noqa: E402
 from metrale.executor.sampler import SamplingRow, sample_tokens  # noqa: E402
+from metrale.layers import linear  # noqa: E402
 from metrale.messages.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -96,7 +97,11 @@ def main():
     parser.add_argument("--context-len", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--output", help="also write the rows as JSON here")
+    parser.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=True,
+                        help="linear layers of 2..16 rows on the skinny GEMM where the layer picks it (default), "
+                             "or always on cuBLAS")
     args = parser.parse_args()
+    linear.SKINNY_GEMM = args.skinny_gemm  # before the engine captures its graphs
     max_batch, max_k = max(args.batch_sizes), max(args.ks)
     max_model_len = args.context_len + max_k + 64
     llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=max_model_len,
@@ -111,7 +116,8 @@ def main():
         raise SystemExit(f"{runner.caches.num_blocks} KV blocks: fewer than {max_batch} x {blocks_per_seq}")
     max_blocks = -(-max_model_len // bs)
     greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9)
-    print(f"{args.model}: backends {runner.backend_names}, context {args.context_len}, "
+    print(f"{args.model}: backends {runner.backend_names}, skinny GEMM {'on' if args.skinny_gemm else 'off'}, "
+          f"context {args.context_len}, "
           f"{args.iters} replays per figure (us)")
     print(f"{'batch':>5} {'k':>2} {'plain':>8} {'verify':>8} {'ratio':>6} {'eager':>8} {'sampler':>8} "
           f"{'rej.greedy':>10} {'rej.sampled':>11} {'step ratio':>10}")
@@ -155,7 +161,8 @@ def main():
         print(f"batch 1, k <= 4: verify / plain at most {worst:.3f} (the bar: 1.15)")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"model": args.model, "context_len": args.context_len, "rows": results}, f, indent=1)
+            json.dump({"model": args.model, "context_len": args.context_len, "skinny_gemm": args.skinny_gemm,
+                       "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":

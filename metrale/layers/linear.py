@@ -94,10 +94,17 @@ def _one_row(x: torch.Tensor) -> bool:
     return x.numel() == x.shape[-1]
 
 
+# Whether linear layers take the skinny GEMM at all: benchmarks switch it off (before the engine
+# captures its graphs) to time the same model on cuBLAS (spec_verify_bench.py --no-skinny-gemm).
+SKINNY_GEMM = True
+
+
 def _skinny_shape(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """2..16 rows on a weight of the shapes the skinny GEMM beat cuBLAS on (K >= 4096, N <= 8192:
     Qwen3-8B's qkv, o_proj and down on an H200); wider or shallower weights keep cuBLAS, which
     was as fast on gate_up and is unmeasured elsewhere."""
+    if not SKINNY_GEMM:
+        return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return 2 <= rows <= 16 and weight.shape[1] >= 4096 and weight.shape[0] <= 8192
 
