@@ -8,6 +8,9 @@ nor `--num-drafts` says: a default per model family, read from the checkpoint's 
                                           (mtp_num_hidden_layers 1): Qwen trained the layer over
                                           several steps ("MTP: trained with multi-steps") and its
                                           deployment notes serve it with num_speculative_tokens 2.
+    Llama, Qwen2, Qwen3 (dense)           k = 1: met's own `mtp.*` layout (models/qwen_mtp.py's
+                                          DENSE_LAYOUT); the demo model's layer was trained for
+                                          one step ahead (scripts/train_demo_mtp.py).
     anything else                         k = 1 (the drafter then refuses a checkpoint without
                                           MTP layers by name).
 
@@ -24,6 +27,10 @@ import os
 QWEN_MTP_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                           "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 QWEN_MTP_DRAFTS = 2
+# Families with met's dense `mtp.*` layout: one step ahead, whatever num_nextn_predict_layers says
+# (more than one layer is refused by the model).
+DENSE_MTP_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DENSE_MTP_DRAFTS = 1
 FALLBACK_DRAFTS = 1
 
 
@@ -39,6 +46,8 @@ def default_mtp_drafts(model_dir: str | None, overrides: dict | None = None) -> 
     architectures = config.get("architectures") or []
     if any(a in QWEN_MTP_ARCHITECTURES for a in architectures):
         return QWEN_MTP_DRAFTS
+    if any(a in DENSE_MTP_ARCHITECTURES for a in architectures):
+        return DENSE_MTP_DRAFTS
     layers = config.get("num_nextn_predict_layers", text.get("num_nextn_predict_layers"))
     return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers >= 1 else FALLBACK_DRAFTS
 

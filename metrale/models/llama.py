@@ -2,6 +2,10 @@
 
 Qwen2 is Llama with a bias on the Q, K and V projections; Llama-3 adds rope scaling (handled by
 the RotaryEmbedding from the config). Qwen3 (qwen3.py) adds per-head RMSNorm on Q and K.
+
+A config declaring `num_nextn_predict_layers: 1` over a checkpoint holding `mtp.*` tensors gets
+met's own dense MTP layer (models/qwen_mtp.py's DENSE_LAYOUT: the family's decoder layer and
+RMSNorm) in `model.mtp`, for the MTP drafter only; the main forward never runs it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from metrale.layers.linear import QKVParallelLinear, RowParallelLinear
 from metrale.layers.mlp import GatedMLP
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.models.common import CausalLM
+from metrale.models.qwen_mtp import DENSE_LAYOUT, MTPLayout, attach_qwen_mtp_layers
 
 
 class LlamaAttention(nn.Module):
@@ -39,6 +44,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    # The `mtp.*` layout of the family's MTP layer; None: the family has none (a subclass whose
+    # decoder layer met has not tested as an MTP layer), and `mtp.*` tensors are not taken.
+    mtp_layout: MTPLayout | None = DENSE_LAYOUT
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        if self.mtp_layout is not None:
+            attach_qwen_mtp_layers(self, config, self.mtp_layout)
+
+    @classmethod
+    def declared_mtp_layers(cls, config: ModelConfig) -> int:
+        return cls.mtp_layout.declared(config) if cls.mtp_layout is not None else 0
+
+    def make_mtp_block(self, config: ModelConfig, cache_index: int) -> nn.Module:
+        """The MTP decoder layer: the family's own, its attention's cache layer `cache_index`."""
+        return self.make_layer(config, cache_index)
+
     def make_attention(self, config: ModelConfig, layer_index: int) -> nn.Module:
         bias = getattr(config.hf_config, "attention_bias", False)
         return LlamaAttention(config, layer_index, qkv_bias=bias, o_bias=bias)

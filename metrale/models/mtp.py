@@ -1,7 +1,7 @@
 """Multi-token-prediction (next-n) layers of DeepSeek-V3 and GLM-4.5 checkpoints (and GLM-5 /
 DeepSeek-V3.2, whose trunk is DeepSeek-V3's): loaded, hashed and run by the MTP drafter of
 speculative decoding (executor/drafters/mtp.py). Qwen3-Next's / Qwen3.5's `mtp.*` layer has its
-own layout: models/qwen_mtp.py, on the helpers here.
+own layout (which met also defines for its dense families): models/qwen_mtp.py, on the helpers here.
 
 A checkpoint of `num_hidden_layers` N carries layer i of `num_nextn_predict_layers` as
 `model.layers.{N + i}.*`:

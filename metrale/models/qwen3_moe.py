@@ -56,6 +56,8 @@ def sparse_or_dense_mlp(config: ModelConfig, layer_index: int) -> nn.Module:
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    mtp_layout = None  # met's dense MTP layout is not defined for MoE layers
+
     def make_attention(self, config: ModelConfig, layer_index: int) -> nn.Module:
         return Qwen3Attention(config, layer_index)
 

@@ -60,6 +60,7 @@ class QwenVLMixin:
 
     supports_multimodal = True
     uses_mrope = True
+    mtp_layout = None  # no MTP layer: the dense one would keep plain RoPE under M-RoPE
     checkpoint_renames = (("model.visual.", "visual."), ("model.language_model.", "model."))
 
     def setup_vision(self, full_config, tower: nn.Module, deepstack_layers: int) -> None:

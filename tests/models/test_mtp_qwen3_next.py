@@ -17,12 +17,10 @@ with layer 0's MLP, mtp.norm) into transformers' own tiny checkpoint. transforme
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
 import os
-import shutil
 
 import pytest
 import torch
@@ -32,8 +30,7 @@ from hybrid_checkpoints import SPEC_INITIALIZER_RANGE, make_hybrid_checkpoint
 from hybrid_checkpoints import spec_prompts as make_prompts
 from metrale import LLM, SamplingParams
 from metrale.config.engine_args import EngineArgs
-from metrale.executor.drafters.mtp import MTPDrafter
-from qwen_mtp_checkpoints import LAYERS, SOURCE, write_mtp_layer
+from qwen_mtp_checkpoints import LAYERS, ReferenceMTP, assert_drafts_equal_reference, write_mtp_layer
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -114,88 +111,12 @@ def test_tensor_parallel_two_ranks(checkpoints):
 # -- the drafter against a plain-torch reference --------------------------------------------------
 
 
-class ReferenceMTP:
-    """The Qwen MTP forward in plain torch over transformers' trunk: fc and the three zero-centred
-    norms from the MTP tensors, the decoder layer = transformers' own full-attention layer of the
-    family holding mtp.layers.0's tensors (the base checkpoint with its layer 1 replaced by them,
-    loaded by transformers, that layer taken out); the head is the target's lm_head."""
-
-    def __init__(self, base: str, mtp: dict, scratch: str):
-        from safetensors.torch import load_file, save_file
-
-        self.model = load_reference(base)
-        self.model.config._attn_implementation = "eager"
-        shutil.copytree(base, scratch)
-        weights = load_file(os.path.join(scratch, "model.safetensors"))
-        for name in [n for n in weights if n.startswith(SOURCE)]:
-            weights[name] = mtp[name.replace(SOURCE, "mtp.layers.0.")]
-        save_file(weights, os.path.join(scratch, "model.safetensors"), metadata={"format": "pt"})
-        holder = load_reference(scratch)
-        holder.config._attn_implementation = "eager"
-        self.block = holder.model.layers[LAYERS - 1]
-        self.norms = {}
-        for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-            self.norms[norm] = copy.deepcopy(self.model.model.norm)  # transformers' (1 + w) RMSNorm
-            self.norms[norm].weight.data = mtp[f"mtp.{norm}.weight"]
-        self.fc = mtp["mtp.fc.weight"]
-
-    @torch.no_grad()
-    def trunk(self, sequence: list[int]) -> torch.Tensor:
-        """transformers' final hidden states over a whole sequence: causal, so row p is also that of
-        every prefix longer than p (one trunk pass per request, not per step)."""
-        return self.model.model(torch.tensor([sequence])).last_hidden_state[0]
-
-    @torch.no_grad()
-    def drafts(self, tokens: list[int], k: int, trunk: torch.Tensor) -> list[int]:
-        """The k chained drafts after `tokens` (the last one just sampled); `trunk`: `self.trunk`
-        of a sequence that starts with `tokens`."""
-        inputs = [self._input(trunk[p], tokens[p + 1]) for p in range(len(tokens) - 1)]
-        drafts = []
-        for _ in range(k):
-            hidden = self.norms["norm"](self._block(torch.stack(inputs))[-1])
-            drafts.append(int(self.model.lm_head(hidden).argmax()))
-            inputs.append(self._input(hidden, drafts[-1]))
-        return drafts
-
-    def _input(self, hidden: torch.Tensor, token: int) -> torch.Tensor:
-        embedding = self.model.model.embed_tokens.weight[token]
-        x = torch.cat([self.norms["pre_fc_norm_embedding"](embedding), self.norms["pre_fc_norm_hidden"](hidden)])
-        return x @ self.fc.T
-
-    def _block(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        positions = torch.arange(n)[None]
-        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-        embeddings = self.model.model.rotary_emb(x[None], positions)
-        return self.block(x[None], position_embeddings=embeddings, attention_mask=mask, position_ids=positions)[0]
-
-
 @pytest.mark.parametrize("family, k", [("qwen3_next", 2), ("qwen3_5", 1), ("qwen3_5_moe", 2)])
 def test_drafts_equal_the_reference_mtp_forward(checkpoints, family, k, monkeypatch, tmp_path):
     base, path, mtp, _ = checkpoints(family)
-    proposals = []  # (request id, its tokens then, drafts)
-    propose = MTPDrafter.propose
-
-    def recording(self, inputs):
-        out = propose(self, inputs)
-        requests = llm.llm_engine.runner.requests
-        for rid, accepted, row in zip(inputs.request_ids, inputs.num_accepted.tolist(), out.token_ids.tolist()):
-            proposals.append((rid, len(requests[rid].token_ids) + accepted, row))
-        return out
-
-    monkeypatch.setattr(MTPDrafter, "propose", recording)
-    llm = mtp_engine(path, k)
-    prompts = make_prompts()[1:3]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    sequences = {o.request_id: p + o.outputs[0].token_ids for o, p in zip(outputs, prompts)}
     reference = ReferenceMTP(base, mtp, str(tmp_path / "holder"))
-    trunks = {rid: reference.trunk(sequence) for rid, sequence in sequences.items()}
-    checked = 0
-    for rid, num_tokens, drafts in proposals:
-        if num_tokens > len(sequences[rid]):
-            continue  # the request ended at this step: no later step reads its drafts
-        assert drafts == reference.drafts(sequences[rid][:num_tokens], k, trunks[rid]), (rid, num_tokens)
-        checked += 1
+    checked = assert_drafts_equal_reference(lambda: mtp_engine(path, k), reference, make_prompts()[1:3], GREEDY, k,
+                                            monkeypatch)
     assert checked >= 2 * (NEW_TOKENS // (k + 1))
 
 

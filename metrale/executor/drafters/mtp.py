@@ -1,7 +1,8 @@
 """The MTP (next-n) drafter: the target model's own multi-token-prediction layer proposes drafts.
 
 Every step that computes tokens, the layer (`model.mtp[0]`: DeepSeek's / GLM's next-n layer,
-models/mtp.py, or Qwen3-Next's / Qwen3.5's `mtp.*` layer, models/qwen_mtp.py: both take the
+models/mtp.py, or the `mtp.*` layer of Qwen3-Next / Qwen3.5 and of met's dense layout for Llama /
+Qwen2 / Qwen3, models/qwen_mtp.py: both take the
 same inputs and give a hidden state and logits) runs over all of the
 step's rows with the trunk's final hidden states and the token after each row
 (`DraftInputs.next_token_ids`), at the rows' positions, over its own paged cache: a prefill fills
