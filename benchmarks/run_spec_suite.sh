@@ -6,7 +6,9 @@
 # verify:  benchmarks/spec_verify_bench.py alone (VERIFY_BATCHES, VERIFY_KS);
 # bench:   benchmarks/spec_verify_bench.py (a verify step against a plain one) and
 #          `met benchmark spec-cost-table` on the Qwen3-8B config;
-# latency: batch-1 `met bench latency` plain and with n-gram drafts, demo model and Qwen3-8B config
+# latency: batch-1 `met bench latency` plain, with n-gram drafts and with MTP drafts (the demo's
+#          trained mtp.safetensors; the Qwen3-8B config's dummy MTP layer, declared by
+#          --hf-overrides num_nextn_predict_layers 1), demo model and Qwen3-8B config
 #          (after `bench`, also with --spec-cost-model measured over the table it wrote).
 # Install the carried wheels without fla-core: transformers' CPU references call fla's GPU kernels
 # whenever it is importable (tests/checkpoints.py refuses to run them so).
@@ -52,6 +54,10 @@ for part in "$@"; do
         timeout 100 $MET bench latency $common --speculative-config "$NG" \
           --output-json "$W/latency_${model}_ngram.json" > "$W/latency_${model}_ngram.log" 2>&1
         tail -5 "$W/latency_${model}_ngram.log"
+        mtp_overrides=(); [ $model = Qwen3-8B ] && mtp_overrides=(--hf-overrides '{"num_nextn_predict_layers": 1}')
+        timeout 100 $MET bench latency $common "${mtp_overrides[@]}" --speculative-config '{"method": "mtp"}' \
+          --output-json "$W/latency_${model}_mtp.json" > "$W/latency_${model}_mtp.log" 2>&1
+        tail -5 "$W/latency_${model}_mtp.log"
       done
       TABLE=${SPEC_TABLE:-$W/spec_cost_qwen3_8b_h200.json}
       if [ -f "$TABLE" ]; then  # after `bench` (or SPEC_TABLE): k chosen per step from the table
