@@ -1,7 +1,7 @@
-"""Where a batch-1 speculative step's host time goes: one request of `met bench latency`'s
-workload (random prompt, greedy, ignore_eos), plain and with drafts, each engine.step() timed and
-the speculative run under cProfile (host functions by own time; the GPU's work shows as the
-synchronizing calls that wait for it).
+"""Where a batch-1 speculative step's time goes: one request of `met bench latency`'s workload
+(random prompt, greedy, ignore_eos), plain and with drafts, each engine.step() timed (steps that
+gave one token and steps that gave more, apart), then the speculative run again under a profiler
+(torch.profiler's host ops and kernels on CUDA, cProfile's Python functions on the CPU).
 
     PYTHONPATH=. python3 benchmarks/spec_step_profile.py --model demo
     PYTHONPATH=. python3 benchmarks/spec_step_profile.py --model metrale/model_configs/Qwen3-8B --load-format dummy
@@ -17,6 +17,7 @@ import json
 import os
 import pstats
 import random
+import statistics
 import sys
 import time
 
@@ -30,19 +31,37 @@ from metrale.messages.sampling_params import SamplingParams  # noqa: E402
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
-def one_request(engine, prompt, output_len, tag, profile=None):
+def one_request(engine, prompt, output_len, tag):
+    """[(seconds, tokens the request gained)] per engine.step() call."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     engine.add_request(tag, {"prompt_token_ids": prompt}, params)
-    steps = []
-    if profile is not None:
-        profile.enable()
+    request = engine.scheduler.requests[tag]
+    steps, before = [], 0
     while engine.has_unfinished_requests():
         start = time.perf_counter()
         engine.step()
-        steps.append(time.perf_counter() - start)
-    if profile is not None:
-        profile.disable()
+        now = request.num_output_tokens
+        steps.append((time.perf_counter() - start, now - before))
+        before = now
     return steps
+
+
+def profiled(engine, prompt, output_len, rows):
+    if torch.cuda.is_available():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            one_request(engine, prompt, output_len, "profiled")
+            torch.cuda.synchronize()
+        table = prof.key_averages()
+        return (table.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)
+                + table.table(sort_by="cuda_time_total", row_limit=rows // 2, max_name_column_width=60))
+    profile = cProfile.Profile()
+    profile.enable()
+    one_request(engine, prompt, output_len, "profiled")
+    profile.disable()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(rows)
+    return out.getvalue()
 
 
 def run(args, label, **engine_kwargs):
@@ -54,18 +73,19 @@ def run(args, label, **engine_kwargs):
     prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(3)]
     for i in range(2):
         one_request(engine, prompts[i], args.output_len, f"warmup{i}")
-    profile = cProfile.Profile() if engine_kwargs.get("speculative_config") else None
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    steps = one_request(engine, prompts[2], args.output_len, "measured", profile)
+    steps = one_request(engine, prompts[2], args.output_len, "measured")
     decode = steps[1:]  # the first step is the prefill
+    total = sum(t for t, _ in decode)
     print(f"{label:>24}: scheduling {'async' if engine.async_scheduling else 'sync'}, {len(steps)} steps, "
-          f"decode {sum(decode) / len(decode) * 1e3:.3f} ms/step, {sum(decode) / (args.output_len - 1) * 1e3:.3f} "
-          f"ms/token, slowest step {max(decode) * 1e3:.2f} ms")
-    if profile is not None:
-        out = io.StringIO()
-        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(args.rows)
-        print(out.getvalue())
+          f"decode {total / len(decode) * 1e3:.3f} ms/step, {total / (args.output_len - 1) * 1e3:.3f} ms/token")
+    for name, group in (("one token", [t for t, n in decode if n == 1]), ("several", [t for t, n in decode if n > 1]),
+                        ("none", [t for t, n in decode if n == 0])):
+        if group:
+            print(f"{'':>26}{name:>10}: {len(group):4d} steps, median {statistics.median(group) * 1e3:.3f} ms")
+    if engine_kwargs.get("speculative_config"):
+        print(profiled(engine, prompts[0], args.output_len, args.rows))
     del llm, engine
 
 

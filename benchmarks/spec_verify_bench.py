@@ -97,9 +97,9 @@ def main():
     parser.add_argument("--context-len", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--output", help="also write the rows as JSON here")
-    parser.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=True,
-                        help="linear layers of 2..16 rows on the skinny GEMM where the layer picks it (default), "
-                             "or always on cuBLAS")
+    parser.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=False,
+                        help="linear layers of 2..16 rows on the skinny GEMM where the layer would pick it, "
+                             "or (default, as the engine runs) on cuBLAS")
     args = parser.parse_args()
     linear.SKINNY_GEMM = args.skinny_gemm  # before the engine captures its graphs
     max_batch, max_k = max(args.batch_sizes), max(args.ks)

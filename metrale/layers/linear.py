@@ -73,9 +73,8 @@ class LinearBase(nn.Module):
         if self.fp8 is not None:
             return self.fp8.matmul(self, x, bias)
         # One token (batch-1 decode) reads the weight once: on CUDA the Triton GEMV beats cuBLAS
-        # on every projection of Qwen3-8B at one row (benchmarks/gemv_bench.py). 2..16 rows (a
-        # verify step at small batch): the skinny tensor-core GEMM where it was measured to win
-        # (benchmarks/skinny_gemm_bench.py). Else F.linear.
+        # on every projection of Qwen3-8B at one row (benchmarks/gemv_bench.py). 2..16 rows: the
+        # skinny tensor-core GEMM only when SKINNY_GEMM is on (off by default: see there). Else F.linear.
         if _one_row(x):
             return gemv(x, self.weight, bias)
         if _skinny_shape(x, self.weight):
@@ -94,15 +93,17 @@ def _one_row(x: torch.Tensor) -> bool:
     return x.numel() == x.shape[-1]
 
 
-# Whether linear layers take the skinny GEMM at all: benchmarks switch it off (before the engine
-# captures its graphs) to time the same model on cuBLAS (spec_verify_bench.py --no-skinny-gemm).
-SKINNY_GEMM = True
+# Whether linear layers take the skinny GEMM for 2..16 rows. Off: on the H200 (`9d78bd5`,
+# benchmarks/spec_verify_bench.py --skinny-gemm / --no-skinny-gemm in one job) Qwen3-8B's batch-1
+# verify step with k = 2..8 drafts took 1.203-1.224x a plain step with it and 1.167-1.178x on
+# cuBLAS (k = 1: 1.154 / 1.162), although the kernel beat cuBLAS in isolation
+# (benchmarks/skinny_gemm_bench.py). Benchmarks switch it on before the engine captures its graphs.
+SKINNY_GEMM = False
 
 
 def _skinny_shape(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """2..16 rows on a weight of the shapes the skinny GEMM beat cuBLAS on (K >= 4096, N <= 8192:
-    Qwen3-8B's qkv, o_proj and down on an H200); wider or shallower weights keep cuBLAS, which
-    was as fast on gate_up and is unmeasured elsewhere."""
+    """With SKINNY_GEMM: 2..16 rows on a weight of the shapes the skinny GEMM beat cuBLAS on in
+    isolation (K >= 4096, N <= 8192: Qwen3-8B's qkv, o_proj and down on an H200)."""
     if not SKINNY_GEMM:
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
