@@ -91,7 +91,7 @@ class LLMEngine:
             return None
         processor = MultiModalProcessor(self.model_config.model_dir, model_class, self.runner.model.vl_config,
                                         limits=args.media_limits, defaults=args.processor_defaults,
-                                        vision_max_pixels=args.vision_max_pixels)
+                                        vision_max_pixels=args.vision_max_pixels, tokenizer=self.tokenizer)
         budget = args.max_num_encoder_tokens or max(args.step_token_budget(self.device.type),
                                                     processor.max_image_tokens())
         processor.max_item_tokens = self.max_num_encoder_tokens = budget

@@ -26,6 +26,7 @@ class Qwen3_5ForConditionalGeneration(QwenVLMixin, Qwen3_5ForCausalLM):
     ignored_checkpoint_prefixes = tuple(p for p in Qwen3_5ForCausalLM.ignored_checkpoint_prefixes
                                         if p != "model.visual.")
     mrope_positions = Qwen3VLForConditionalGeneration.mrope_positions
+    frame_timestamps = Qwen3VLForConditionalGeneration.frame_timestamps
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)

@@ -42,6 +42,9 @@ def frame_timestamps(frame_indices: list[int], fps: float, temporal_patch_size: 
 
 
 class Qwen3VLForConditionalGeneration(QwenVLMixin, Qwen3ForCausalLM):
+    # Its prompts write each video frame's time as text (multimodal/timestamped_video.py).
+    frame_timestamps = staticmethod(frame_timestamps)
+
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         full = full_hf_config(config)

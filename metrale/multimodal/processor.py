@@ -5,7 +5,9 @@ the M-RoPE positions (`mrope_positions`, transformers' get_rope_index) once, at 
 
 Videos go frame by frame through the same image processor and two consecutive frames fill one
 temporal patch, as transformers' video processor lays them out (that processor needs
-torchvision); frames are sampled by `fps` / `max_frames` from the frames given.
+torchvision); frames are sampled by `fps` / `max_frames` from the frames given. A model whose
+class has `frame_timestamps` (Qwen3-VL, Qwen3.5) writes each frame's time as text into its video
+span instead: timestamped_video.py, with the tokenizer.
 
 Every limit is applied or refused by name: `mm_processor_kwargs` takes max_pixels, min_pixels,
 fps and max_frames; anything else is refused; --vision-max-pixels caps max_pixels;
@@ -20,6 +22,7 @@ import numpy as np
 
 from metrale.messages.errors import InvalidRequestError
 from metrale.multimodal.inputs import MultiModalInputs, MultiModalItem
+from metrale.multimodal.timestamped_video import TimestampedVideo
 
 MODALITY_TOKENS = {"image": "image_token_id", "video": "video_token_id"}
 REQUEST_KWARGS = ("max_pixels", "min_pixels", "fps", "max_frames")
@@ -44,10 +47,11 @@ def _as_list(value) -> list:
 class MultiModalProcessor:
     def __init__(self, model_dir: str, model_class, vl_config, *, limits: dict | None = None,
                  defaults: dict | None = None, vision_max_pixels: int | None = None,
-                 max_item_tokens: int | None = None):
+                 max_item_tokens: int | None = None, tokenizer=None):
         """`vl_config`: the checkpoint's whole config (placeholder ids, vision_config);
         `defaults`: --mm-processor-kwargs; `max_item_tokens`: the encoder budget, which one item
-        must fit (engine/scheduler.py)."""
+        must fit (engine/scheduler.py); `tokenizer`: writes the frame timestamps of the models
+        that take them."""
         from transformers import AutoImageProcessor
 
         self.model_class, self.vl_config = model_class, vl_config
@@ -57,9 +61,10 @@ class MultiModalProcessor:
         self.vision_max_pixels = vision_max_pixels
         self.max_item_tokens = max_item_tokens
         self.token_ids = {m: int(getattr(vl_config, attr)) for m, attr in MODALITY_TOKENS.items()}
-        # Qwen3-VL / Qwen3.5 write each video frame's timestamp as text into the prompt: that
-        # expansion needs the tokenizer and is not built yet, so their videos are refused.
-        self.video_needs_timestamps = model_class.__name__.startswith(("Qwen3VL", "Qwen3_5"))
+        # Qwen3-VL / Qwen3.5 write each video frame's timestamp as text into the prompt.
+        timestamps = getattr(model_class, "frame_timestamps", None)
+        self.timestamped_video = (TimestampedVideo(model_dir, vl_config, tokenizer, timestamps)
+                                  if timestamps is not None else None)
         self.architecture = model_class.__name__
 
     @staticmethod
@@ -115,10 +120,6 @@ class MultiModalProcessor:
             if found != len(items):
                 raise InvalidRequestError(f"the prompt has {found} {modality} placeholder(s) but {len(items)} "
                                           f"{modality}(s) were given", "multi_modal_data")
-        if media["video"] and self.video_needs_timestamps:
-            raise InvalidRequestError(f"video on {self.architecture} is not supported yet (its prompt takes "
-                                      "per-frame timestamps met does not write yet); send images, or frames "
-                                      "as images", "multi_modal_data")
         processed = {"image": [self._image(x, kwargs) for x in media["image"]],
                      "video": [self._video(x, kwargs) for x in media["video"]]}
         return self._expand(token_ids, processed)
@@ -134,10 +135,17 @@ class MultiModalProcessor:
                                        size={"shortest_edge": min_pixels, "longest_edge": max_pixels})
         except ValueError as e:  # an aspect ratio beyond 200:1, ...
             raise InvalidRequestError(f"the image cannot be processed: {e}", "multi_modal_data") from None
-        return out["pixel_values"].astype(np.float32, copy=False), tuple(int(v) for v in out["image_grid_thw"][0]), None
+        return (out["pixel_values"].astype(np.float32, copy=False), tuple(int(v) for v in out["image_grid_thw"][0]),
+                None, None)
 
     def _video(self, video, kwargs: dict):
+        """(pixel values, grid, seconds per temporal patch, the span's token ids or None for
+        the placeholder repeated)."""
         from PIL import Image
+
+        if self.timestamped_video is not None:
+            pixels, grid, span = self.timestamped_video.process(video, kwargs, self.vision_max_pixels)
+            return pixels, grid, None, span
 
         frames = getattr(video, "frames", video)
         # The rate of the frames as given: a DecodedVideo's frames over its duration (they may be
@@ -171,7 +179,7 @@ class MultiModalProcessor:
         slots = patches.reshape(n, hw, 3, tp, pp)[:, :, :, 0]  # each frame once
         slots = slots.reshape(n // tp, tp, hw, 3, pp).transpose(0, 2, 3, 1, 4)
         pixels = np.ascontiguousarray(slots.reshape(n // tp * hw, width), dtype=np.float32)
-        return pixels, (n // tp, h, w), tp / sampled_fps
+        return pixels, (n // tp, h, w), tp / sampled_fps, None
 
     def _expand(self, token_ids: list[int], processed: dict) -> MultiModalInputs:
         merge = self.image_processor.merge_size ** 2
@@ -184,14 +192,15 @@ class MultiModalProcessor:
             if modality is None:
                 out.append(token)
                 continue
-            pixels, grid, seconds = queues[modality].pop(0)
+            pixels, grid, seconds, span = queues[modality].pop(0)
             n = math.prod(grid) // merge
             if self.max_item_tokens is not None and n > self.max_item_tokens:
                 raise InvalidRequestError(
                     f"a {modality} of {n} tokens exceeds the encoder budget of {self.max_item_tokens} tokens "
                     f"(--max-num-encoder-tokens); lower max_pixels or raise the budget", "multi_modal_data")
-            items.append(MultiModalItem(modality, pixels, grid, len(out), n, n, token, seconds))
-            out += [token] * n
+            span = [token] * n if span is None else span  # n placeholder tokens in either
+            items.append(MultiModalItem(modality, pixels, grid, len(out), len(span), n, token, seconds))
+            out += span
         images = [i.grid_thw for i in items if i.modality == "image"]
         videos = [i.grid_thw for i in items if i.modality == "video"]
         video_kwargs = {}

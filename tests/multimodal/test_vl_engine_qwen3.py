@@ -1,6 +1,6 @@
 """Qwen3-VL through the engine (DeepStack features, interleaved M-RoPE): images alone, two in a
-prompt and batched with text, chunked through an image, == transformers' generate in float32;
-its videos are refused by name (per-frame timestamps are not written yet)."""
+prompt and batched with text, chunked through an image, == transformers' generate in float32.
+Videos (frame timestamps in the prompt): test_vl_video_qwen3.py."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from test_vl_engine import NEW_TOKENS, greedy, hf_image_tokens, image_prompt, other_image, text_ids
-from vl_checkpoints import make_vl_checkpoint, tiny_images, tiny_video
+from vl_checkpoints import make_vl_checkpoint, tiny_images
 from vl_reference import Media, reference_greedy_vl
 
 from metrale import LLM
-from metrale.messages.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +36,3 @@ def test_qwen3_vl_images_batched_with_text(checkpoint):
                          {"prompt_token_ids": two, "multi_modal_data": {"image": [b, c]}},
                          {"prompt_token_ids": text}], greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    s, e, vpad = media.ids["<|vision_start|>"], media.ids["<|vision_end|>"], media.ids["<|video_pad|>"]
-    with pytest.raises(InvalidRequestError, match="video on Qwen3VLForConditionalGeneration is not supported yet"):
-        llm.generate([{"prompt_token_ids": text + [s, vpad, e], "multi_modal_data": {"video": tiny_video()}}],
-                     greedy(), use_tqdm=False)
