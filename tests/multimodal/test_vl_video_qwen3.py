@@ -49,23 +49,37 @@ def references(checkpoints):
 
 
 def hf_processor(path: str, metadata: list):
-    """transformers' Qwen3VLProcessor with a stand-in video processor: the pixel values of the
-    frames it gets (tests/vl_checkpoints.py video_pixel_values) and the given metadata."""
+    """transformers' Qwen3VLProcessor with a stand-in video processor (transformers' needs
+    torchvision): each video sized by transformers' Qwen3-VL smart_resize over the clip (the
+    checkpoint's video bounds), resized with PIL (bicubic), then rescaled, normalized and
+    patchified by the checkpoint's image processor frame by frame (tests/vl_checkpoints.py
+    video_pixel_values); the given metadata is returned with it."""
+    from PIL import Image
     from transformers import AutoImageProcessor, AutoTokenizer
     from transformers.feature_extraction_utils import BatchFeature
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
     from transformers.processing_utils import ProcessorMixin
 
     image_processor = AutoImageProcessor.from_pretrained(path)
+    frame_processor = AutoImageProcessor.from_pretrained(path, do_resize=False)
+    bounds = Qwen3VLVideoProcessor.from_pretrained(path).size
 
     class FramesAsGiven:
         merge_size, temporal_patch_size = image_processor.merge_size, image_processor.temporal_patch_size
 
-        def __call__(self, videos, **kwargs):
+        def frames(self, video: np.ndarray) -> np.ndarray:
+            tp = self.temporal_patch_size
+            height, width = smart_resize(len(video), *video.shape[1:3], temporal_factor=tp,
+                                         factor=image_processor.patch_size * self.merge_size,
+                                         min_pixels=bounds.shortest_edge, max_pixels=bounds.longest_edge)
+            video = np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.Resampling.BICUBIC))
+                              for f in video])
             # patchify's padding: the last frame repeated to fill the final temporal patch
-            padded = [np.concatenate([v, np.repeat(v[-1:], -len(v) % self.temporal_patch_size, axis=0)])
-                      for v in map(np.asarray, videos)]
-            pixels, grids = zip(*(video_pixel_values(image_processor, v) for v in padded))
+            return np.concatenate([video, np.repeat(video[-1:], -len(video) % tp, axis=0)])
+
+        def __call__(self, videos, **kwargs):
+            pixels, grids = zip(*(video_pixel_values(frame_processor, self.frames(np.asarray(v))) for v in videos))
             return BatchFeature({"pixel_values_videos": torch.cat(pixels), "video_grid_thw": torch.cat(grids),
                                  "video_metadata": metadata})
 
@@ -153,3 +167,74 @@ def test_sampling_follows_transformers_sample_frames(checkpoints):
         processor.process([5, pad, 6], {"video": video}, {"max_pixels": 10})
     with pytest.raises(InvalidRequestError, match="a DecodedVideo needs one frame index per frame"):
         processor.process([5, pad, 6], {"video": DecodedVideo(video.frames, 30.0, [0], 6.0)}, None)
+
+
+def hf_greedy(reference, path: str, text: str, videos=(), images=None) -> list[int]:
+    inputs = hf_inputs(path, text, list(videos), images=images) if videos else \
+        hf_processor(path, [])(text=[text], images=images, return_tensors="pt")
+    vision = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    return reference_greedy_vl(reference, inputs["input_ids"][0].tolist(), NEW_TOKENS, **vision)
+
+
+@pytest.mark.parametrize("family", list(CLASSES))
+def test_video_batched_with_an_image_and_text_equals_transformers(checkpoints, references, family):
+    path, reference = checkpoints[family], references[family]
+    a, _ = tiny_images()
+    video = clip(3)  # 2 temporal patches, the last of one frame twice
+    image_text = "Look<|vision_start|><|image_pad|><|vision_end|> here"
+    plain = "A paged KV cache stores keys"
+    expected = [hf_greedy(reference, path, VIDEO_TEXT, [video]), hf_greedy(reference, path, image_text, images=[a]),
+                hf_greedy(reference, path, plain)]
+    # Chunks of 8 tokens split the video's span, between and inside its frames.
+    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=8)
+    outs = llm.generate([engine_prompt(VIDEO_TEXT, video), {"prompt": image_text, "multi_modal_data": {"image": a}},
+                         {"prompt": plain}], greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_prefix_hits_only_for_the_same_video(checkpoints):
+    llm = LLM(checkpoints["qwen3_vl"], dtype="float32", device="cpu", block_size=4)
+    engine = llm.llm_engine
+    text = "A paged KV cache stores keys and values in" + VIDEO_TEXT
+    span = engine.mm_processor.process(engine.tokenizer.encode(text, add_special_tokens=False),
+                                       {"video": clip(4)}, None).items[0]
+
+    def hits(video) -> int:
+        before = engine.scheduler.kv.prefix_hits_total
+        llm.generate([engine_prompt(text, video)], greedy(2), use_tqdm=False)
+        return engine.scheduler.kv.prefix_hits_total - before
+
+    hits(clip(4))
+    other = hits(clip(4, seed=5))  # the same grid and timestamps: the same token ids, other pixels
+    assert 0 < other <= span.offset // 4 * 4  # the text before the video only
+    assert hits(clip(4)) >= span.end  # past the video
+
+
+def test_llm_chat_with_a_video_url(checkpoints, references):
+    """A data: video_url part: fetched, decoded (PyAV: 4 of 20 frames at 10 fps), processed."""
+    path = checkpoints["qwen3_vl"]
+    data = mp4_bytes(frames=20, fps=10)
+    url = "data:video/mp4;base64," + base64.b64encode(data).decode()
+    rendered = ("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What happens?<|im_end|>\n"
+                "<|im_start|>assistant\n")
+    expected = hf_greedy(references["qwen3_vl"], path, rendered, [decode_video(data)])
+    llm = LLM(path, dtype="float32", device="cpu")
+    out = llm.chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                 {"type": "text", "text": "What happens?"}]}], greedy(), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == expected
+    assert "<0.3 seconds>" in llm.get_tokenizer().decode(out[0].prompt_token_ids)  # frames 0 and 6 of 10 fps
+
+
+def test_refusals_by_name(checkpoints):
+    from metrale.multimodal.timestamped_video import TimestampedVideo
+
+    processor = LLM(checkpoints["qwen3_5_vl"], dtype="float32", device="cpu").llm_engine.mm_processor
+    without = TimestampedVideo(checkpoints["qwen3_5_vl"], processor.vl_config, None,
+                               processor.timestamped_video.frame_timestamps)
+    with pytest.raises(InvalidRequestError, match="needs the tokenizer to write each frame's timestamp"):
+        without.process(clip(2), {}, None)
+    pad = processor.token_ids["video"]
+    with pytest.raises(InvalidRequestError, match=r"a video is uint8 frames \[T, H, W, 3\]"):
+        processor.process([5, pad], {"video": np.zeros((2, 4, 4), dtype=np.uint8)}, None)
+    with pytest.raises(InvalidRequestError, match="mm_processor_kwargs: unknown key.*'num_frames'"):
+        processor.process([5, pad], {"video": clip(2)}, {"num_frames": 4})
