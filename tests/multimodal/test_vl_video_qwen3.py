@@ -225,15 +225,19 @@ def test_llm_chat_with_a_video_url(checkpoints, references):
     assert "<0.3 seconds>" in llm.get_tokenizer().decode(out[0].prompt_token_ids)  # frames 0 and 6 of 10 fps
 
 
-def test_refusals_by_name(checkpoints):
+def test_pixel_caps_per_frame_and_refusals_by_name(checkpoints):
     from metrale.multimodal.timestamped_video import TimestampedVideo
 
-    processor = LLM(checkpoints["qwen3_5_vl"], dtype="float32", device="cpu").llm_engine.mm_processor
+    processor = LLM(checkpoints["qwen3_5_vl"], dtype="float32", device="cpu",
+                    vision_max_pixels=56 * 56).llm_engine.mm_processor
+    pad = processor.token_ids["video"]
+    # 56 x 84 frames: --vision-max-pixels (56 x 56) caps each frame, a request's max_pixels lower still
+    assert processor.process([5, pad], {"video": clip(4)}, None).items[0].grid_thw == (2, 2, 4)
+    assert processor.process([5, pad], {"video": clip(4)}, {"max_pixels": 28 * 56}).items[0].grid_thw == (2, 2, 2)
     without = TimestampedVideo(checkpoints["qwen3_5_vl"], processor.vl_config, None,
                                processor.timestamped_video.frame_timestamps)
     with pytest.raises(InvalidRequestError, match="needs the tokenizer to write each frame's timestamp"):
         without.process(clip(2), {}, None)
-    pad = processor.token_ids["video"]
     with pytest.raises(InvalidRequestError, match=r"a video is uint8 frames \[T, H, W, 3\]"):
         processor.process([5, pad], {"video": np.zeros((2, 4, 4), dtype=np.uint8)}, None)
     with pytest.raises(InvalidRequestError, match="mm_processor_kwargs: unknown key.*'num_frames'"):
