@@ -112,6 +112,11 @@ def read_hf_config(model_dir: str, raw: dict):
             f"transformers if the family is newer than it, or use a supported checkpoint.") from None
 
 
+# Fields met reads that transformers' config class of a family may not define, which
+# --hf-overrides may still set: the MTP layer count of met's dense `mtp.*` layout (models/qwen_mtp.py).
+MET_ONLY_FIELDS = ("num_nextn_predict_layers",)
+
+
 def load_model_config(model_dir: str, dtype: str, device: torch.device,
                       max_model_len: int | None, supported: dict, overrides: dict | None = None,
                       quantization: str | None = None, activation_quantization: str = "dynamic") -> ModelConfig:
@@ -130,7 +135,7 @@ def load_model_config(model_dir: str, dtype: str, device: torch.device,
     hf_config = read_hf_config(model_dir, raw)
     text_config = getattr(hf_config, "text_config", None) or hf_config
     for key, value in (overrides or {}).items():
-        if not hasattr(text_config, key):
+        if not hasattr(text_config, key) and key not in MET_ONLY_FIELDS:
             raise ModelLoadError(f"hf_overrides: the {type(text_config).__name__} config has no field {key!r}")
         setattr(text_config, key, value)
     heads = text_config.num_attention_heads

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 
 import torch
@@ -34,14 +36,16 @@ def construct_model(config: ModelConfig, device: torch.device, load_format: str 
     """The model with uninitialised weights on `device` (the meta device: sizes only).
     Parameters are created where they live, in their dtype: no float32 copy on the host first;
     projection weights once their names are known, FP8 where the model is quantized. Dummy
-    weights never include multi-token-prediction layers (models/mtp.py)."""
+    weights hold every multi-token-prediction layer the config declares (models/mtp.py)."""
     model_class = get_model_class(config.architecture)
     # Multi-token-prediction layers are built where the checkpoint holds them: its names, from
-    # the headers (models/mtp.py); dummy weights never include them.
+    # the headers (models/mtp.py); dummy weights draw every declared one.
     # A family with MTP layers says how many its config declares (`declared_mtp_layers`).
     declared = getattr(model_class, "declared_mtp_layers", None)
-    names = tensor_locations(config.model_dir) if load_format != "dummy" and declared and declared(config) else ()
-    with torch.device(device), _default_dtype(config.dtype), deferred_weights(), checkpoint_tensor_names(names):
+    dummy = load_format == "dummy"
+    names = tensor_locations(config.model_dir) if not dummy and declared and declared(config) else ()
+    with (torch.device(device), _default_dtype(config.dtype), deferred_weights(),
+          checkpoint_tensor_names(names, dummy=dummy)):
         model = model_class(config)
     quantize_model(model, config.quantization, device, config.dtype)
     return model
@@ -51,7 +55,7 @@ def build_model(config: ModelConfig, device: torch.device, load_format: str = "a
                 show_progress: bool = False) -> torch.nn.Module:
     model = construct_model(config, device, load_format)
     if load_format == "dummy":
-        init_dummy_weights(model, config.hf_config, seed)
+        record_dummy_mtp_hash(model, init_dummy_weights(model, config.hf_config, seed), seed)
     else:
         total = count_tensors(config.model_dir) if show_progress else None
         with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
@@ -70,3 +74,17 @@ def record_mtp_hash(model: torch.nn.Module, config: ModelConfig) -> None:
     params = sum(p.numel() for p in model.mtp.parameters())
     logger.info("MTP: %d layer(s), %d tensors, %.1fM parameters, sha256 %s (run by the MTP drafter of "
                 "speculative decoding only)", len(model.mtp), model.mtp_tensor_count, params / 1e6, model.mtp_sha256)
+
+
+def record_dummy_mtp_hash(model: torch.nn.Module, mtp_shapes: dict, seed: int) -> None:
+    """Dummy MTP layers (`--load-format dummy`): their values are a function of the seed and the
+    tensors' names and shapes, so `mtp_sha256` is the sha256 of those (canonical JSON), logged.
+    It keys a spec-cost table measured on them, and matches no real checkpoint's."""
+    if not mtp_shapes:
+        return
+    described = {"load_format": "dummy", "seed": seed, "tensors": {n: list(s) for n, s in sorted(mtp_shapes.items())}}
+    model.mtp_sha256 = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+    model.mtp_tensor_count = len(mtp_shapes)
+    params = sum(p.numel() for p in model.mtp.parameters())
+    logger.info("MTP: %d dummy layer(s), %d tensors, %.1fM parameters, random weights (sha256 %s of the seed and "
+                "their names and shapes)", len(model.mtp), len(mtp_shapes), params / 1e6, model.mtp_sha256)

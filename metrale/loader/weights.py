@@ -153,7 +153,8 @@ def run_post_load_hooks(model: nn.Module) -> None:
                 hook()
 
 
-def dummy_checkpoint(hf_config, device: torch.device, dtype: torch.dtype, seed: int = 0, reference_of=None):
+def dummy_checkpoint(hf_config, device: torch.device, dtype: torch.dtype, seed: int = 0, reference_of=None,
+                     extra_shapes=None):
     """(name, tensor) pairs of a random checkpoint of this config: transformers' parameter names
     and full shapes (read from a model built on the meta device), each tensor drawn from its own
     generator seeded by the seed and its name. Loaded like a real checkpoint, every rank takes its
@@ -161,25 +162,47 @@ def dummy_checkpoint(hf_config, device: torch.device, dtype: torch.dtype, seed: 
     weights are one; values are uniform in [-0.02, 0.02]. `reference_of(hf_config)`: the
     checkpoint's names and shapes ({name: tensor}, built under the meta device) where
     AutoModelForCausalLM has no model for the config (a model class's `dummy_reference`, e.g.
-    GLM-5.3's)."""
+    GLM-5.3's). `extra_shapes(reference) -> {name: shape}`: tensors the reference lacks (the
+    model's MTP layers), drawn the same way after it."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         shapes = (reference_of(hf_config) if reference_of is not None
                   else AutoModelForCausalLM.from_config(hf_config).state_dict())
-    for name, shaped in shapes.items():
+    shapes = {name: tuple(shaped.shape) for name, shaped in shapes.items()}
+    if extra_shapes is not None:
+        shapes.update(extra_shapes(shapes))
+    for name, shape in shapes.items():
         module = name.rsplit(".", 1)[0]
-        if module.endswith("norm"):
-            yield name, torch.ones(shaped.shape, dtype=dtype, device=device)
+        if module.endswith("norm") or ".pre_fc_norm_" in module:  # `mtp.pre_fc_norm_hidden` too
+            yield name, torch.ones(shape, dtype=dtype, device=device)
             continue
         generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        tensor = torch.empty(shaped.shape, dtype=dtype, device=device)
+        tensor = torch.empty(shape, dtype=dtype, device=device)
         yield name, tensor.uniform_(-0.02, 0.02, generator=generator)
 
 
-def init_dummy_weights(model: nn.Module, hf_config, seed: int = 0) -> None:
+def dummy_mtp_shapes(model: nn.Module, reference_shapes: dict) -> dict:
+    """The checkpoint names and shapes of the MTP layers `model.mtp` holds (each layer's
+    `dummy_checkpoint_shapes`, models/mtp.py and models/qwen_mtp.py), shaped on the reference's."""
+    shapes = {}
+    for index, layer in enumerate(getattr(model, "mtp", None) or ()):
+        shapes.update(layer.dummy_checkpoint_shapes(index, reference_shapes))
+    return shapes
+
+
+def init_dummy_weights(model: nn.Module, hf_config, seed: int = 0) -> dict:
     """Random weights of the right shapes and dtypes, drawn on the model's own device from
-    `dummy_checkpoint`. For benchmarks: they cost the same time as real weights."""
+    `dummy_checkpoint`, the MTP layers' included. For benchmarks: they cost the same time as real
+    weights. Returns the MTP tensors' {name: shape} ({} without MTP layers)."""
     param = model.model.embed_tokens.weight if hasattr(model, "model") else next(model.parameters())
-    weights = dummy_checkpoint(hf_config, param.device, param.dtype, seed, getattr(model, "dummy_reference", None))
+    mtp_shapes = {}
+
+    def extra(reference_shapes):
+        mtp_shapes.update(dummy_mtp_shapes(model, reference_shapes))
+        return mtp_shapes
+
+    weights = dummy_checkpoint(hf_config, param.device, param.dtype, seed, getattr(model, "dummy_reference", None),
+                               extra_shapes=extra)
     load_weights(model, weights, quantize_unquantized=True)
+    return mtp_shapes

@@ -57,23 +57,48 @@ from metrale.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 DECODER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
 
 _names: contextvars.ContextVar[frozenset] = contextvars.ContextVar("met_checkpoint_names", default=frozenset())
+_dummy: contextvars.ContextVar[bool] = contextvars.ContextVar("met_dummy_mtp", default=False)
 
 
 @contextlib.contextmanager
-def checkpoint_tensor_names(names):
+def checkpoint_tensor_names(names, dummy: bool = False):
     """Inside, families build the MTP layers these checkpoint tensor names hold. construct_model
-    (executor/model_loader.py) passes the checkpoint's, read from its headers, or none for dummy
-    weights; a model built outside it has no MTP layers."""
-    token = _names.set(frozenset(names))
+    (executor/model_loader.py) passes the checkpoint's, read from its headers, or none and `dummy`
+    for dummy weights (then every declared layer is built); a model built outside it has no MTP
+    layers."""
+    token, dummy_token = _names.set(frozenset(names)), _dummy.set(dummy)
     try:
         yield
     finally:
         _names.reset(token)
+        _dummy.reset(dummy_token)
 
 
 def held_checkpoint_names() -> frozenset:
     """The checkpoint tensor names `checkpoint_tensor_names` set (none outside it)."""
     return _names.get()
+
+
+def drawing_dummy_weights() -> bool:
+    """Inside `checkpoint_tensor_names(..., dummy=True)`: the weights will be drawn
+    (`--load-format dummy`), so a family builds every MTP layer its config declares."""
+    return _dummy.get()
+
+
+def trunk_prefix(reference_shapes: dict) -> str:
+    """The decoder layers' name prefix in a (dummy) reference checkpoint: `model.`, or a
+    multimodal checkpoint's `model.language_model.`."""
+    for prefix in ("model.", "model.language_model."):
+        if any(name.startswith(prefix + "layers.0.") for name in reference_shapes):
+            return prefix
+    raise ValueError("the reference checkpoint has no model.layers.0.*: no decoder layer to shape an MTP layer on")
+
+
+def copied_layer_shapes(reference_shapes: dict, source: str, target: str, parts=DECODER_PARTS) -> dict:
+    """{target + rest: shape} for every reference name `source + rest` under one of `parts`
+    (`reference_shapes`: {name: shape tuple}, the dummy checkpoint's)."""
+    return {target + name[len(source):]: shape for name, shape in reference_shapes.items()
+            if name.startswith(source) and name[len(source):].startswith(tuple(p + "." for p in parts))}
 
 
 def mark_drafter_only(block: nn.Module) -> None:
@@ -96,6 +121,8 @@ def held_mtp_layers(config: ModelConfig) -> list[dict[str, bool]]:
     """For each MTP layer the config declares and the checkpoint holds (from layer 0 on, while
     held): whether it stores its own `embed_tokens` and `shared_head.head`."""
     declared, names = declared_mtp_layers(config), _names.get()
+    if _dummy.get():
+        return [dict(embed_tokens=False, head=False) for _ in range(declared)]
     held = []
     for i in range(declared):
         prefix = mtp_prefix(config, i)
@@ -132,6 +159,7 @@ class MTPLayer(nn.Module):
                  own_head: bool):
         super().__init__()
         hidden, eps = config.hidden_size, config.hf_config.rms_norm_eps
+        self.hidden_size, self.num_hidden_layers = hidden, config.hf_config.num_hidden_layers
         self.enorm = norm(hidden, eps)
         self.hnorm = norm(hidden, eps)
         self.eh_proj = ReplicatedLinear(2 * hidden, hidden, bias=False)
@@ -143,6 +171,18 @@ class MTPLayer(nn.Module):
     def cached_layers(self) -> list:
         """Its decoder layer's stateful modules (attention, a DSA indexer), in order."""
         return [m for m in self.block.modules() if hasattr(m, "cache_specs")]
+
+    def dummy_checkpoint_shapes(self, index: int, reference_shapes: dict) -> dict:
+        """`--load-format dummy`: this layer's (layer `index`'s) checkpoint names and shapes, its
+        decoder layer shaped on the last trunk layer of `reference_shapes` (the MTP layer is built
+        as layer N + index, of the last layer's kind in the published checkpoints). Neither
+        embed_tokens nor shared_head.head: a dummy layer uses the model's."""
+        trunk, h = trunk_prefix(reference_shapes), self.hidden_size
+        target = f"{trunk}layers.{self.num_hidden_layers + index}."
+        shapes = copied_layer_shapes(reference_shapes, f"{trunk}layers.{self.num_hidden_layers - 1}.", target)
+        shapes.update({f"{target}enorm.weight": (h,), f"{target}hnorm.weight": (h,),
+                       f"{target}eh_proj.weight": (h, 2 * h), f"{target}shared_head.norm.weight": (h,)})
+        return shapes
 
     def forward(self, positions: torch.Tensor, next_token_ids: torch.Tensor, hidden: torch.Tensor,
                 embed_tokens: nn.Module) -> torch.Tensor:

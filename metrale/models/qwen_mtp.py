@@ -29,8 +29,9 @@ How many layers (`MTPLayout.declared`): Qwen's `mtp_num_hidden_layers` (Qwen3.5'
 configs: 1), else `num_nextn_predict_layers`, else 1 (Qwen3-Next-80B's config names neither and
 its checkpoint holds one layer); a dense family's `num_nextn_predict_layers`, else 0 (transformers
 ignores the key: the dense layout is met's own, no published checkpoint has it). Held where the
-checkpoint has `mtp.layers.0.*`: loaded into `model.mtp[0]`, the checkpoint's `mtp.` renamed to
-`mtp.0.`. A config that declares none, more than one layer, or dedicated embeddings loads without
+checkpoint has `mtp.layers.0.*`, or always under `--load-format dummy` (the dummy checkpoint
+draws the `mtp.*` tensors: `QwenMTPLayer.dummy_checkpoint_shapes`): loaded into `model.mtp[0]`,
+the checkpoint's `mtp.` renamed to `mtp.0.`. A config that declares none, more than one layer, or dedicated embeddings loads without
 MTP (the `mtp.*` tensors ignored) and `method: "mtp"` is refused naming why
 (`model.mtp_unavailable`).
 
@@ -47,7 +48,8 @@ from torch import nn
 from metrale.config.model_config import ModelConfig
 from metrale.layers.linear import ReplicatedLinear
 from metrale.layers.norm import RMSNorm, ZeroCentredRMSNorm
-from metrale.models.mtp import held_checkpoint_names, mark_drafter_only
+from metrale.models.mtp import (DECODER_PARTS, copied_layer_shapes, drawing_dummy_weights, held_checkpoint_names,
+                                mark_drafter_only, trunk_prefix)
 
 CHECKPOINT_PREFIX = "mtp."
 
@@ -95,6 +97,11 @@ class QwenMTPLayer(nn.Module):
         self.layers = nn.ModuleList([block])
         self.norm = norm(hidden, eps)
         mark_drafter_only(block)
+        # The trunk layer whose attention the MTP layer's has (a full-attention one: the first in
+        # a hybrid's layer_types); its MLP and norms are layer 0's kind. For dummy weights.
+        types = list(getattr(config.hf_config, "layer_types", None) or [])
+        self.attention_source = types.index("full_attention") if "full_attention" in types else 0
+        self.hidden_size = hidden
 
     @property
     def block(self) -> nn.Module:
@@ -102,6 +109,20 @@ class QwenMTPLayer(nn.Module):
 
     def cached_layers(self) -> list:
         return [m for m in self.block.modules() if hasattr(m, "cache_specs")]
+
+    def dummy_checkpoint_shapes(self, index: int, reference_shapes: dict) -> dict:
+        """`--load-format dummy`: the `mtp.*` names and shapes, mtp.layers.0's shaped on the
+        reference's trunk layers (attention: `attention_source`'s; MLP and norms: layer 0's)."""
+        trunk, h = trunk_prefix(reference_shapes), self.hidden_size
+        target = CHECKPOINT_PREFIX + "layers.0."
+        shapes = copied_layer_shapes(reference_shapes, f"{trunk}layers.0.", target,
+                                     [p for p in DECODER_PARTS if p != "self_attn"])
+        shapes.update(copied_layer_shapes(reference_shapes, f"{trunk}layers.{self.attention_source}.", target,
+                                          ["self_attn"]))
+        shapes.update({f"{CHECKPOINT_PREFIX}{norm}.weight": (h,)
+                       for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")})
+        shapes[f"{CHECKPOINT_PREFIX}fc.weight"] = (h, 2 * h)
+        return shapes
 
     def forward(self, positions: torch.Tensor, next_token_ids: torch.Tensor, hidden: torch.Tensor,
                 embed_tokens: nn.Module) -> torch.Tensor:
@@ -137,7 +158,8 @@ def attach_qwen_mtp_layers(model: nn.Module, config: ModelConfig, layout: MTPLay
     model.mtp_sha256, model.mtp_tensor_count = None, 0
     model.mtp_checkpoint_prefixes = ()
     reason = unavailable_reason(config, layout)
-    held = any(name.startswith(CHECKPOINT_PREFIX + "layers.0.") for name in held_checkpoint_names())
+    held = drawing_dummy_weights() or any(name.startswith(CHECKPOINT_PREFIX + "layers.0.")
+                                          for name in held_checkpoint_names())
     if reason is None and held:
         block = model.make_mtp_block(config, config.hf_config.num_hidden_layers)
         model.mtp = nn.ModuleList([QwenMTPLayer(config, block, layout.norm)])

@@ -3,8 +3,9 @@ loaded into `model.mtp`, equal to the checkpoint's tensors, hashed (sha256 over 
 in name order, each name then its raw bytes: recomputed here independently), the main forward
 unchanged (greedy tokens of transformers, which ignores the layer; also over two tensor-parallel
 CPU ranks), no cache for them in the plan, the weights' bytes grown by exactly theirs. A config that declares next-n layers over a
-checkpoint without them loads as before, with no MTP; so does `--load-format dummy`; a layer held
-in part is refused, naming what is missing.
+checkpoint without them loads as before, with no MTP; `--load-format dummy` draws the declared
+layers (the checkpoint's shapes, the model's embedding and head); a layer held in part is refused,
+naming what is missing.
 
 The tiny checkpoints are tests/mla_checkpoints.py's DeepSeek-V3 (3 layers, MTP = layer 3, with its
 own embed_tokens and shared_head.head, as DeepSeek stores them) and tests/moe_checkpoints.py's
@@ -173,9 +174,21 @@ def test_tensor_parallel_ranks_load_the_mtp_layer(checkpoints):
 def test_declared_layers_without_tensors_load_as_before(checkpoints, family):
     base, path, _ = checkpoints(family)
     assert _config(base).hf_config.num_nextn_predict_layers == 1
-    for model in (_build(base), _build(path, load_format="dummy")):
-        assert not hasattr(model, "mtp") and model.mtp_sha256 is None
-    assert _plan(path, "dummy").weight_bytes == _plan(base).weight_bytes
+    model = _build(base)
+    assert not hasattr(model, "mtp") and model.mtp_sha256 is None
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_dummy_weights_hold_the_declared_layers(checkpoints, family):
+    """--load-format dummy draws every declared next-n layer (tests/models/test_mtp_dummy.py runs
+    them), shaped as the checkpoint's but with the model's embedding and head."""
+    base, path, _ = checkpoints(family)
+    real, dummy = _build(path), _build(base, load_format="dummy")
+    assert len(dummy.mtp) == 1 and dummy.mtp_sha256 is not None and dummy.mtp_sha256 != real.mtp_sha256
+    own = ("embed_tokens.", "shared_head.head.")
+    shapes = {n: p.shape for n, p in real.mtp.named_parameters() if not n.startswith(tuple(f"0.{o}" for o in own))}
+    assert {n: p.shape for n, p in dummy.mtp.named_parameters()} == shapes
+    assert _plan(base, "dummy").weight_bytes == _plan(base).weight_bytes + mtp_parameter_bytes(dummy)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -194,8 +194,10 @@ def test_memory_plan_counts_fp8_weights(checkpoints):
 
 def test_memory_plan_of_deepseek_v3_fp8(tmp_path):
     """DeepSeek-V3's published shape with its quantization_config, cut to 4 layers (3 dense, 1
-    MoE): FP8 weights plan at a little over half of bf16's, and the plan counts each layer's
-    dequantized kv_b_proj (128 heads x 256 rows x 512, bf16: 32 MiB) beyond the parameters."""
+    MoE) plus the next-n layer its config declares (dummy weights draw it, an MoE layer): FP8
+    weights plan at a little over half of bf16's, and the plan counts each MLA layer's dequantized
+    kv_b_proj (128 heads x 256 rows x 512, bf16: 32 MiB; the next-n layer's too) beyond the
+    parameters."""
     from metrale.executor.model_loader import construct_model
 
     def plan(config_json):
@@ -206,12 +208,13 @@ def test_memory_plan_of_deepseek_v3_fp8(tmp_path):
                           hf_overrides={"num_hidden_layers": 4})
         config = load_model_config(str(path), args.dtype, torch.device("cuda"), args.max_model_len,
                                    supported_architectures(), args.config_overrides)
-        meta = construct_model(config, torch.device("meta"))
+        meta = construct_model(config, torch.device("meta"), "dummy")
+        assert len(meta.mtp) == 1
         parameters = sum(p.numel() * p.element_size() for p in meta.parameters())
         return plan_memory(args, config, torch.device("cuda"), 141 * 2**30), parameters
 
     (fp8, fp8_parameters), (bf16, bf16_parameters) = plan(DEEPSEEK_V3_FP8), plan(DEEPSEEK_V3)
-    assert fp8.weight_bytes == fp8_parameters + 4 * 2**25
+    assert fp8.weight_bytes == fp8_parameters + (4 + 1) * 2**25
     assert bf16.weight_bytes == bf16_parameters
     assert 0.5 < fp8.weight_bytes / bf16.weight_bytes < 0.6
     assert "fp8 e4m3 weights ([128, 128] blocks)" in fp8.table()

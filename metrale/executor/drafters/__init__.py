@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from metrale.config.errors import OptionError
 from metrale.config.speculative_config import MTP_METHODS, SpeculativeConfig
 from metrale.executor.drafters.base import RunnerDrafter
 
@@ -41,13 +42,13 @@ def drafter_cached_layers(spec: SpeculativeConfig | None, model: torch.nn.Module
         architecture = getattr(getattr(model, "config", None), "architecture", type(model).__name__)
         unavailable = getattr(model, "mtp_unavailable", None)  # a family's reason for not loading them
         if unavailable:
-            raise ValueError(f"speculative_config method {spec.method!r} (--speculative) drafts with the model's "
-                             f"multi-token-prediction layers, and met does not load this {architecture} "
-                             f"checkpoint's: {unavailable}; method 'ngram' drafts by prompt lookup")
-        raise ValueError(f"speculative_config method {spec.method!r} (--speculative) drafts with the model's "
-                         f"multi-token-prediction layers, and this {architecture} checkpoint holds none "
-                         "(num_nextn_predict_layers / mtp_num_hidden_layers 0, the layers stripped, or "
-                         "--load-format dummy); method 'ngram' drafts by prompt lookup")
+            raise OptionError(f"speculative_config method {spec.method!r} (--speculative) drafts with the model's "
+                              f"multi-token-prediction layers, and met does not load this {architecture} "
+                              f"checkpoint's: {unavailable}; method 'ngram' drafts by prompt lookup")
+        raise OptionError(f"speculative_config method {spec.method!r} (--speculative) drafts with the model's "
+                          f"multi-token-prediction layers, and this {architecture} checkpoint holds none "
+                          "(num_nextn_predict_layers / mtp_num_hidden_layers 0, or the layers stripped); "
+                          "method 'ngram' drafts by prompt lookup")
     return model.mtp[0].cached_layers()
 
 
