@@ -511,17 +511,22 @@ class ModelRunner:
         for i in spec:
             del states[i].token_ids[-len(drafts[ids[i]]):]
         rows = [SamplingRow(st.sampling_params, st.seed, st.token_ids, st.num_prompt_tokens) for st in states]
-        tokens = torch.empty(len(ids), dtype=torch.int64, device=logits.device)
         plain_sampled = None
         if plain:
+            tokens = torch.empty(len(ids), dtype=torch.int64, device=logits.device)
             plain_logits = logits[[batch.logits_rows[i].start for i in plain]]
             plain_sampled = sample_tokens(plain_logits, [rows[i] for i in plain],
                                           self._token_bitmask([ids[i] for i in plain], [states[i] for i in plain]))
             tokens[plain] = plain_sampled.tokens
-        spec_logits = logits[[r for i in spec for r in batch.logits_rows[i]]]
+            spec_logits = logits[[r for i in spec for r in batch.logits_rows[i]]]
+        else:  # every request drafted (batch 1's verify step): the logits rows are spec's, in order
+            spec_logits = logits
         num_accepted, spec_tokens = verify_drafts(spec_logits, [rows[i] for i in spec], [drafts[ids[i]] for i in spec],
                                                   [self._draft_q(ids[i], len(drafts[ids[i]])) for i in spec])
-        tokens[spec] = spec_tokens
+        if plain:
+            tokens[spec] = spec_tokens
+        else:
+            tokens = spec_tokens
         kept = batch.layout.drafts
         if kept is not None:  # the linear-attention state of the last accepted position (drafted: spec's order)
             self.caches.keep_accepted_states(batch.layout.state_slots[kept.drafted], kept.state_rows[kept.drafted],
