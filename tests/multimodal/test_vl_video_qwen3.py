@@ -9,7 +9,8 @@ through the engine, against transformers:
 - the M-RoPE positions equal the model's get_rope_index;
 - greedy tokens equal Qwen3VLForConditionalGeneration.generate (and the MoE / Qwen3.5 classes)
   in float32, a video prompt batched with an image prompt and a text-only prompt, chunked;
-- two different videos share no KV past the text before them; LLM.chat with a data: video_url.
+- two different videos share no KV past the text before them; LLM.chat and the server with a
+  data: video_url.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import base64
 from unittest import mock
 
 import numpy as np
+import openai
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from media_servers import mp4_bytes
 from test_vl_engine import NEW_TOKENS, greedy, text_ids
@@ -223,6 +226,34 @@ def test_llm_chat_with_a_video_url(checkpoints, references):
                                                  {"type": "text", "text": "What happens?"}]}], greedy(), use_tqdm=False)
     assert out[0].outputs[0].token_ids == expected
     assert "<0.3 seconds>" in llm.get_tokenizer().decode(out[0].prompt_token_ids)  # frames 0 and 6 of 10 fps
+
+
+def test_video_url_through_the_server(checkpoints, references, tmp_path):
+    """The server's video_url part (a data: MP4) on Qwen3-VL: transformers' greedy text; a second
+    video over --limit-mm-per-prompt is a 400 naming it and the server goes on serving."""
+    from server_process import ServerProcess
+
+    path = checkpoints["qwen3_vl"]
+    data = mp4_bytes(frames=20, fps=10)
+    url = "data:video/mp4;base64," + base64.b64encode(data).decode()
+    rendered = ("<|im_start|>user\nWhat happens?<|vision_start|><|video_pad|><|vision_end|><|im_end|>\n"
+                "<|im_start|>assistant\n")
+    expected = hf_greedy(references["qwen3_vl"], path, rendered, [decode_video(data)])
+    server = ServerProcess(path, str(tmp_path / "serve.log"), "--limit-mm-per-prompt", '{"video": 1}')
+    try:
+        server.wait_ready()
+        client = server.client(timeout=60)
+        content = [{"type": "text", "text": "What happens?"}, {"type": "video_url", "video_url": {"url": url}}]
+        ask = dict(model=path, max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+        reply = client.chat.completions.create(messages=[{"role": "user", "content": content}], **ask)
+        assert reply.choices[0].message.content == AutoTokenizer.from_pretrained(path).decode(expected)
+        with pytest.raises(openai.BadRequestError, match="limit-mm-per-prompt"):
+            client.chat.completions.create(messages=[{"role": "user", "content": content + content[1:]}], **ask)
+        again = client.chat.completions.create(messages=[{"role": "user", "content": content}], **ask)
+        assert again.choices[0].message.content == reply.choices[0].message.content
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()
 
 
 def test_pixel_caps_per_frame_and_refusals_by_name(checkpoints):
