@@ -6,7 +6,8 @@ format probing happens: probing would accept playlist formats (HLS, concat) whos
 further URLs and files themselves, which would walk around the fetch policy.
 
 Frames are sampled as Qwen's video processors sample them: the number is duration x target
-fps, at most max_frames (and at least one), spread uniformly over the source's frames
+fps, at least min_frames (4, transformers' Qwen2-VL / Qwen3-VL default; fewer only when the
+source has fewer), at most max_frames, spread uniformly over the source's frames
 (np.linspace over the frame indices, rounded). Fewer are kept when that many frames of this size
 would pass max_total_pixels; a single frame over max_frame_pixels is refused, from the stream's
 header, before anything is decoded. Decoding stops at the wall timeout.
@@ -39,6 +40,7 @@ class DecodedVideo:
 @dataclass(frozen=True)
 class VideoDecodePolicy:
     target_fps: float = 2.0
+    min_frames: int = 4
     max_frames: int = 64
     max_frame_pixels: int = 64 << 20
     max_total_pixels: int = 128 << 20  # over all kept frames: bounds the decoded array (3 bytes a pixel)
@@ -56,7 +58,7 @@ def sample_indices(total_frames: int, source_fps: float, policy: VideoDecodePoli
     """Which source frames to keep, uniformly spread, as many as the policy allows."""
     wanted = int(total_frames / source_fps * policy.target_fps) if source_fps > 0 else policy.max_frames
     by_pixels = policy.max_total_pixels // max(1, frame_pixels)
-    count = max(1, min(wanted, policy.max_frames, by_pixels, total_frames))
+    count = max(1, min(max(wanted, policy.min_frames), policy.max_frames, by_pixels, total_frames))
     return sorted(set(np.linspace(0, total_frames - 1, count).round().astype(int).tolist()))
 
 

@@ -46,7 +46,10 @@ def test_sample_indices_match_qwen_processors():
     assert sample_indices(300, 30.0, VideoDecodePolicy(), 1) == np.linspace(0, 299, 20).round().astype(int).tolist()
     assert sample_indices(10000, 25.0, VideoDecodePolicy(max_frames=64), 1) == \
         np.linspace(0, 9999, 64).round().astype(int).tolist()
-    assert sample_indices(3, 30.0, VideoDecodePolicy(), 1) == [0]  # shorter than one sample: one frame
+    # min_frames (4): a 0.1 s clip keeps every frame it has, a 1 s one 4 rather than 2 s x fps
+    assert sample_indices(3, 30.0, VideoDecodePolicy(), 1) == [0, 1, 2]
+    assert sample_indices(30, 30.0, VideoDecodePolicy(), 1) == np.linspace(0, 29, 4).round().astype(int).tolist()
+    assert sample_indices(30, 30.0, VideoDecodePolicy(max_frames=3), 1) == [0, 14, 29]
 
 
 @pytest.mark.parametrize("make", [lambda c: c[:200], lambda c: c[:48] + b"\0" * 600 + c[648:],
