@@ -144,6 +144,19 @@ def test_expansion_pixels_and_positions_equal_transformers(checkpoints, referenc
     assert np.array_equal(mm.mrope_positions, positions[:, 0].numpy()) and mm.mrope_delta == int(delta)
 
 
+def test_bare_frames_count_at_2_fps_and_one_frame_fills_a_patch(checkpoints):
+    path = checkpoints["qwen3_vl"]
+    llm = LLM(path, dtype="float32", device="cpu")
+    processor, tokenizer = llm.llm_engine.mm_processor, llm.get_tokenizer()
+    ids = tokenizer.encode(VIDEO_TEXT, add_special_tokens=False)
+    frames = tiny_video(frames=4)
+    as_decoded = DecodedVideo(frames, 2.0, [0, 1, 2, 3], 2.0)
+    assert processor.process(ids, {"video": frames}, None).token_ids == \
+        hf_inputs(path, VIDEO_TEXT, [as_decoded])["input_ids"][0].tolist()
+    one = processor.process(ids, {"video": DecodedVideo(frames[:1], 30.0, [15], 1.0)}, None)
+    assert one.items[0].grid_thw == (1, 4, 6) and "<0.5 seconds>" in tokenizer.decode(one.token_ids)
+
+
 def test_sampling_follows_transformers_sample_frames(checkpoints):
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
     from transformers.video_utils import VideoMetadata
