@@ -1,4 +1,4 @@
-"""Video on Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 (frame timestamps written as text into the prompt)
+"""Video on Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE (frame timestamps written as text into the prompt)
 through the engine, against transformers:
 
 - the expanded token ids, pixel values and grid equal transformers' Qwen3VLProcessor.__call__ for
@@ -35,7 +35,8 @@ from metrale.multimodal.timestamped_video import SourceFrames
 from metrale.multimodal.video_decode import DecodedVideo, decode_video
 
 CLASSES = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-           "qwen3_5_vl": "Qwen3_5ForConditionalGeneration"}
+           "qwen3_5_vl": "Qwen3_5ForConditionalGeneration",
+           "qwen3_5_moe_vl": "Qwen3_5MoeForConditionalGeneration"}
 
 
 @pytest.fixture(scope="module")
