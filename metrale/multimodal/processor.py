@@ -23,6 +23,7 @@ import numpy as np
 from metrale.messages.errors import InvalidRequestError
 from metrale.multimodal.inputs import MultiModalInputs, MultiModalItem
 from metrale.multimodal.timestamped_video import TimestampedVideo
+from metrale.multimodal.video_metadata import decoded_from_metadata, is_frames_with_metadata
 
 MODALITY_TOKENS = {"image": "image_token_id", "video": "video_token_id"}
 REQUEST_KWARGS = ("max_pixels", "min_pixels", "fps", "max_frames")
@@ -39,6 +40,8 @@ def refuse_media(architecture: str, multi_modal_data) -> None:
 def _as_list(value) -> list:
     if value is None:
         return []
+    if is_frames_with_metadata(value):  # one video, vLLM's (frames, metadata)
+        return [value]
     if isinstance(value, (list, tuple)):
         return list(value)
     return [value]
@@ -120,6 +123,7 @@ class MultiModalProcessor:
             if found != len(items):
                 raise InvalidRequestError(f"the prompt has {found} {modality} placeholder(s) but {len(items)} "
                                           f"{modality}(s) were given", "multi_modal_data")
+        media["video"] = [decoded_from_metadata(*v) if is_frames_with_metadata(v) else v for v in media["video"]]
         processed = {"image": [self._image(x, kwargs) for x in media["image"]],
                      "video": [self._video(x, kwargs) for x in media["video"]]}
         return self._expand(token_ids, processed)

@@ -158,6 +158,28 @@ def test_bare_frames_count_at_2_fps_and_one_frame_fills_a_patch(checkpoints):
     assert one.items[0].grid_thw == (1, 4, 6) and "<0.5 seconds>" in tokenizer.decode(one.token_ids)
 
 
+def test_frames_with_vllm_metadata(checkpoints):
+    """vLLM's (frames, metadata): the timestamps come from its fps and frames_indices."""
+    path = checkpoints["qwen3_vl"]
+    llm = LLM(path, dtype="float32", device="cpu")
+    processor, tokenizer = llm.llm_engine.mm_processor, llm.get_tokenizer()
+    ids = tokenizer.encode(VIDEO_TEXT, add_special_tokens=False)
+    video = clip(4)
+    pair = (video.frames, {"fps": 3.0, "frames_indices": video.frame_indices, "total_num_frames": 8,
+                           "video_backend": "opencv"})
+    expected = hf_inputs(path, VIDEO_TEXT, [video])["input_ids"][0].tolist()
+    assert processor.process(ids, {"video": pair}, None).token_ids == expected
+    assert processor.process(ids, {"video": [pair]}, None).token_ids == expected
+    refusals = {r"fps \(of the source\) is required": {},
+                "unknown key.*'start'": {"fps": 3.0, "start": 1},
+                "do_sample_frames true is not supported": {"fps": 3.0, "do_sample_frames": True},
+                "fps must be a positive number": {"fps": -1},
+                "frames_indices must be one increasing index per frame": {"fps": 3.0, "frames_indices": [0, 1]}}
+    for message, metadata in refusals.items():
+        with pytest.raises(InvalidRequestError, match=message):
+            processor.process(ids, {"video": (video.frames, metadata)}, None)
+
+
 def test_sampling_follows_transformers_sample_frames(checkpoints):
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
     from transformers.video_utils import VideoMetadata
