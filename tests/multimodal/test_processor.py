@@ -33,6 +33,10 @@ def test_video_sampling_by_fps_and_max_frames(processor):
     assert item.grid_thw[0] == 2 and item.second_per_grid_t == pytest.approx(2.0)
     item = processor.process(video_prompt(processor), {"video": video}, {"max_frames": 2}).items[0]
     assert item.grid_thw[0] == 1
+    # vLLM's (frames, metadata): the same video, its rate from the source's duration
+    pair = (frames, {"fps": 30.0, "frames_indices": list(range(0, 120, 15)), "duration": 4.0})
+    item = processor.process(video_prompt(processor), {"video": pair}, None).items[0]
+    assert item.grid_thw[0] == 4 and item.second_per_grid_t == pytest.approx(1.0)
 
 
 def test_content_hash_is_of_the_pixels(processor):
