@@ -9,7 +9,8 @@
 # latency: batch-1 `met bench latency` plain, with n-gram drafts and with MTP drafts (the demo's
 #          trained mtp.safetensors; the Qwen3-8B config's dummy MTP layer, declared by
 #          --hf-overrides num_nextn_predict_layers 1), demo model and Qwen3-8B config
-#          (after `bench`, also with --spec-cost-model measured over the table it wrote).
+#          (after `bench`, also with --spec-cost-model measured over the table it wrote; SPEC_TABLE
+#          names another, TABLE_SPEC the --speculative-config it was measured with).
 # Install the carried wheels without fla-core: transformers' CPU references call fla's GPU kernels
 # whenever it is importable (tests/checkpoints.py refuses to run them so).
 # Everything lands in a temporary folder packed into $OUT/results.tgz (logs and JSON).
@@ -61,7 +62,8 @@ for part in "$@"; do
       done
       TABLE=${SPEC_TABLE:-$W/spec_cost_qwen3_8b_h200.json}
       if [ -f "$TABLE" ]; then  # after `bench` (or SPEC_TABLE): k chosen per step from the table
-        timeout 100 $MET bench latency $common --speculative-config "$NG" --spec-cost-model measured \
+        # the drafter settings the table was measured with: its key covers them
+        timeout 100 $MET bench latency $common --speculative-config "${TABLE_SPEC:-$NG}" --spec-cost-model measured \
           --spec-cost-calibration "$TABLE" \
           --output-json "$W/latency_Qwen3-8B_ngram_measured.json" > "$W/latency_Qwen3-8B_ngram_measured.log" 2>&1
         tail -5 "$W/latency_Qwen3-8B_ngram_measured.log"
