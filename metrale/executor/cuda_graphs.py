@@ -99,6 +99,10 @@ class DecodeGraphs:
         self.has_initial_state = torch.ones(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        # The trunk's final hidden states of every row (what compute_logits read), per graph: a
+        # runner-side MTP drafter reads them after the replay (`run`'s `hidden`). Overwritten by
+        # the next replay, which the stream orders after every read enqueued before it.
+        self.hidden: dict[int, torch.Tensor] = {}
         self.memory_bytes = 0
 
     def _layout(self, batch: int) -> BatchLayout:
@@ -111,11 +115,12 @@ class DecodeGraphs:
             query_lens_cpu=[q] * batch, seq_lens_cpu=[q] * batch, is_pure_decode=q == 1,
             uniform_query_len=q if q > 1 else 0, real_query_lens=self.real_query_lens[:batch] if q > 1 else None)
 
-    def _forward(self, batch: int) -> torch.Tensor:
+    def _forward(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states, logits) of every row of the graph of `batch` sequences."""
         layout = self._layout(batch)
         with set_forward_context(self.runner.forward_context(layout)):
             hidden = self.model(self.input_ids[:batch * self.query_len], layout.positions)
-        return self.model.compute_logits(hidden)
+        return hidden, self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self, pool=None):
@@ -126,7 +131,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[batch] = self._forward(batch)
+                self.hidden[batch], self.logits[batch] = self._forward(batch)
             pool = graph.pool() if pool is None else pool
             self.graphs[batch] = graph
         torch.cuda.synchronize(self.device)
@@ -144,6 +149,7 @@ class DecodeGraphs:
             graph.reset()
         self.graphs.clear()
         self.logits.clear()
+        self.hidden.clear()
 
     def can_run(self, batch: int) -> bool:
         return batch <= self.max_batch
@@ -159,8 +165,8 @@ class DecodeGraphs:
             self.seq_lens[n:batch].fill_(0)
             self.state_slots[n:batch].fill_(self.runner.padding_slot)
 
-    def run(self, input_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        """Logits [n, vocab] of a pure decode step of n sequences."""
+    def run(self, input_ids: torch.Tensor, layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [n, vocab], hidden states [n, hidden]) of a pure decode step of n sequences."""
         n = input_ids.shape[0]
         batch = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(input_ids)
@@ -170,7 +176,7 @@ class DecodeGraphs:
             self.slot_mapping[n:batch].fill_(-1)
         self._copy_sequences(layout, batch)
         self.graphs[batch].replay()
-        return self.logits[batch][:n]
+        return self.logits[batch][:n], self.hidden[batch][:n]
 
 
 class VerifyGraphs(DecodeGraphs):
@@ -193,8 +199,9 @@ class VerifyGraphs(DecodeGraphs):
         return (layout.num_seqs <= self.max_batch
                 and fits_verify_graph(layout.query_lens_cpu, layout.seq_lens_cpu, num_sampled_rows, self.query_len))
 
-    def run(self, input_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        """Logits [num_tokens, vocab] of every row of a verify step, in its ragged order."""
+    def run(self, input_ids: torch.Tensor, layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [num_tokens, vocab], hidden states [num_tokens, hidden]) of every row of a
+        verify step, in its ragged order."""
         n, q = layout.num_seqs, self.query_len
         batch = next(s for s in self.sizes if s >= n)
         placed = verify_rows(layout.query_lens_cpu, layout.seq_lens_cpu, q)
@@ -210,7 +217,7 @@ class VerifyGraphs(DecodeGraphs):
         self.real_query_lens[n:batch].fill_(1)
         self._copy_sequences(layout, batch)
         self.graphs[batch].replay()
-        return self.logits[batch][rows["rows"]]
+        return self.logits[batch][rows["rows"]], self.hidden[batch][rows["rows"]]
 
 
 class VerifyGraphSet:
@@ -243,5 +250,5 @@ class VerifyGraphSet:
         graphs = self._pick(layout)
         return graphs is not None and graphs.can_run_step(layout, num_sampled_rows)
 
-    def run(self, input_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
         return self._pick(layout).run(input_ids, layout)

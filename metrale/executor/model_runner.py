@@ -235,10 +235,11 @@ class ModelRunner:
             self.verify_graphs = VerifyGraphSet(self, max_num_seqs, num_speculative_tokens, max_blocks, max_model_len)
             self.verify_graphs.capture(pool)
 
-    def replay_graph(self, batch: "BatchInputs") -> torch.Tensor | None:
-        """The logits of the step's sampled rows from a captured graph, or None when no graph
-        fits it: a pure decode step (one row per sequence) or a verify step (decodes and drafts
-        only, at most 1 + k rows per sequence; every row sampled)."""
+    def replay_graph(self, batch: "BatchInputs") -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the logits of the step's sampled rows, the hidden states of all its rows) from a
+        captured graph, or None when no graph fits it: a pure decode step (one row per sequence)
+        or a verify step (decodes and drafts only, at most 1 + k rows per sequence; every row
+        sampled). Every row of such a step is sampled, so both are in the batch's row order."""
         num_tokens, layout = batch.input_ids.shape[0], batch.layout
         if (self.graphs is not None and layout.is_pure_decode
                 and len(batch.sampled_request_ids) == num_tokens and self.graphs.can_run(num_tokens)):
@@ -434,10 +435,11 @@ class ModelRunner:
         if plan.is_empty:
             return PendingOutput(self, [], [], None)
         batch = self.prepare_inputs(plan)
-        # A runner-side drafter reads the step's hidden states: the graphs give only logits.
-        logits = self.replay_graph(batch) if self.drafter is None else None
-        hidden = None
-        if logits is None:
+        # The graphs give the logits and the final hidden states; a drafter that reads inner
+        # layers' outputs too (DFlash: `hidden_layers`) needs the eager forward.
+        replayed = self.replay_graph(batch) if self.drafter is None or not self.drafter.hidden_layers else None
+        logits, hidden = replayed if replayed is not None else (None, None)
+        if replayed is None:
             hidden = self.forward(batch)
             logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sampled_request_ids else None
         self.caches.copy_slots(plan.state_saves)  # after the forward pass that computed the states

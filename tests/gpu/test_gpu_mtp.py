@@ -1,8 +1,9 @@
 """On the GPU: MTP drafting on the hybrid families, Qwen3-Next and Qwen3.5, in float32 on the
 Triton backends (the MTP layer's attention on the Triton attention backend, the target's Gated
-DeltaNet state kept per draft by the Triton verify kernel). MTP steps run eagerly (a runner-side
-drafter reads the step's hidden states); the plain steps replay decode graphs where graphs are
-on. With a "passthrough" MTP layer (tests/qwen_mtp_checkpoints.py: it drafts the target's own
+DeltaNet state kept per draft by the Triton verify kernel), and on the dense families (met's own
+`mtp.*` layout on Llama / Qwen3), whose target steps replay the decode and verify graphs and hand
+the graphs' hidden states to the drafter (the drafter's own passes run eagerly). With a
+"passthrough" MTP layer (tests/qwen_mtp_checkpoints.py: it drafts the target's own
 last token) drafts are both accepted and rejected, and greedy tokens with MTP drafting equal plain
 decoding's, graphs off and on. (transformers' tokens and the drafts against a reference are
 checked on the CPU: tests/models/test_mtp_qwen3_next.py.)
@@ -16,9 +17,10 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from hybrid_checkpoints import HYBRID_FAMILIES
+from checkpoints import make_checkpoint
+from hybrid_checkpoints import HYBRID_FAMILIES, SPEC_INITIALIZER_RANGE
 from metrale import LLM, SamplingParams
-from qwen_mtp_checkpoints import make_qwen_mtp_checkpoint
+from qwen_mtp_checkpoints import DENSE, make_qwen_mtp_checkpoint, write_mtp_layer
 
 pytestmark = pytest.mark.gpu
 FAMILIES = ["qwen3_next", "qwen3_5"]
@@ -52,3 +54,24 @@ def test_mtp_drafting_equals_plain_decoding(family, tmp_path):
         assert stats.num_drafts > 0 and stats.num_accepted_tokens < stats.num_draft_tokens, stats
         if family == "qwen3_next":
             assert stats.num_accepted_tokens > 0, stats
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_dense_mtp_target_steps_replay_graphs(family, tmp_path):
+    base = make_checkpoint(str(tmp_path / "base"), family, num_hidden_layers=2,
+                           initializer_range=SPEC_INITIALIZER_RANGE)
+    path = str(tmp_path / "with_mtp")
+    write_mtp_layer(base, path, passthrough=True, **DENSE)
+    _, plain = run(path, speculative=False, enforce_eager=True)
+    _, eager = run(path, enforce_eager=True, attention_backend="triton")
+    llm = LLM(path, dtype="float32", device="cuda", num_kv_blocks=256, max_num_seqs=16, attention_backend="triton",
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    runner, replays = llm.llm_engine.runner, []
+    for graphs in (runner.graphs, runner.verify_graphs):
+        graphs.run = (lambda inner: lambda *a: replays.append(1) or inner(*a))(graphs.run)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False)
+    graphed = [o.outputs[0].token_ids for o in outs]
+    assert graphed == eager == plain
+    assert replays, "no target step replayed a graph"
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens, stats
