@@ -83,6 +83,17 @@ def declared_qwen_mtp_layers(config: ModelConfig) -> int:
     return QWEN_LAYOUT.declared(config)
 
 
+def attention_source(config: ModelConfig) -> int | None:
+    """The trunk layer whose attention the MTP layer's is shaped like, for dummy weights: the first
+    full-attention one of a hybrid's layer_types (its MLP and norms are layer 0's kind); 0 for a
+    dense trunk; None where a hybrid trunk cut by --hf-overrides keeps no full-attention layer."""
+    hf = config.hf_config
+    types = list(getattr(hf, "layer_types", None) or [])[:hf.num_hidden_layers]
+    if not types:
+        return 0
+    return types.index("full_attention") if "full_attention" in types else None
+
+
 class QwenMTPLayer(nn.Module):
     """fc([pre_fc_norm_embedding(embed(next token)), pre_fc_norm_hidden(hidden)]) -> decoder layer
     -> norm (the module docstring). `block`: the decoder layer, kept as `layers[0]` for the
@@ -97,10 +108,7 @@ class QwenMTPLayer(nn.Module):
         self.layers = nn.ModuleList([block])
         self.norm = norm(hidden, eps)
         mark_drafter_only(block)
-        # The trunk layer whose attention the MTP layer's has (a full-attention one: the first in
-        # a hybrid's layer_types); its MLP and norms are layer 0's kind. For dummy weights.
-        types = list(getattr(config.hf_config, "layer_types", None) or [])
-        self.attention_source = types.index("full_attention") if "full_attention" in types else 0
+        self.attention_source = attention_source(config)  # for dummy weights
         self.hidden_size = hidden
 
     @property
@@ -158,6 +166,9 @@ def attach_qwen_mtp_layers(model: nn.Module, config: ModelConfig, layout: MTPLay
     model.mtp_sha256, model.mtp_tensor_count = None, 0
     model.mtp_checkpoint_prefixes = ()
     reason = unavailable_reason(config, layout)
+    if reason is None and drawing_dummy_weights() and attention_source(config) is None:
+        reason = ("--load-format dummy: the trunk keeps no full-attention layer to shape the dummy MTP layer's "
+                  "attention on (num_hidden_layers below full_attention_interval)")
     held = drawing_dummy_weights() or any(name.startswith(CHECKPOINT_PREFIX + "layers.0.")
                                           for name in held_checkpoint_names())
     if reason is None and held:

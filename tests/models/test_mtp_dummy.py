@@ -7,7 +7,8 @@ the checkpoint's names (loader/weights.py's dummy_checkpoint, each layer's
   `num_nextn_predict_layers: 1` in --hf-overrides (met's dense layout), both cut to tiny sizes;
 - greedy tokens with dummy MTP drafts == plain greedy on the same dummy weights;
 - the dummy MTP sha256 (of the seed and the tensors' names and shapes) is logged and keys the run;
-- Qwen3-8B without a declared count builds no MTP layer and `method: "mtp"` is refused by name.
+- Qwen3-8B without a declared count builds no MTP layer, nor Qwen3-Next cut below its first
+  full-attention layer, and `method: "mtp"` is refused by name.
 """
 
 from __future__ import annotations
@@ -71,4 +72,16 @@ def test_a_dense_config_without_a_declared_count_builds_no_mtp_layer():
     assert not hasattr(llm.llm_engine.runner.model, "mtp")
     with pytest.raises(ValueError, match="declares no MTP layers"):
         LLM(Q8, load_format="dummy", device="cpu", dtype="float32", hf_overrides=TINY_Q8, skip_tokenizer_init=True,
+            max_model_len=64, speculative_config=MTP)
+
+
+def test_a_hybrid_trunk_cut_below_its_first_full_attention_layer_drafts_no_dummy_mtp():
+    """Qwen3-Next cut to 2 layers (both Gated DeltaNet): no layer to shape the MTP attention on,
+    so the dummy model has none (a plain run works) and `method: "mtp"` is refused naming why."""
+    cut = dict(TINY_NEXT, num_hidden_layers=2)
+    llm = LLM(NEXT, load_format="dummy", device="cpu", dtype="float32", hf_overrides=cut, skip_tokenizer_init=True,
+              max_model_len=64)
+    assert not hasattr(llm.llm_engine.runner.model, "mtp")
+    with pytest.raises(ValueError, match="no full-attention layer to shape the dummy MTP layer"):
+        LLM(NEXT, load_format="dummy", device="cpu", dtype="float32", hf_overrides=cut, skip_tokenizer_init=True,
             max_model_len=64, speculative_config=MTP)
