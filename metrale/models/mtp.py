@@ -20,7 +20,10 @@ family builds the layers its config declares only where the checkpoint holds the
 does is read from the safetensors headers before building (`held_mtp_layers`), so a stripped
 checkpoint whose config still declares them loads as before, with no MTP. A layer the checkpoint
 holds in part is an error naming what is missing (the loader's check). `--load-format dummy`
-never builds them (transformers' reference model, which draws the dummy weights, has none).
+builds every layer the config declares (`drawing_dummy_weights`), storing no embedding or head of
+its own, and the dummy checkpoint draws their tensors under the checkpoint's names
+(`MTPLayer.dummy_checkpoint_shapes`: transformers' reference model, which gives the trunk's names
+and shapes, has no MTP layers; the decoder layer's are the last trunk layer's).
 
 Caches: the MTP decoder layer's attention is marked `drafter_only`, so `cached_layers(model)`
 skips it: without MTP drafting the cache layout, the KV pool and the memory plan are as without
