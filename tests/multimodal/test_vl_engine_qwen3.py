@@ -1,5 +1,6 @@
 """Qwen3-VL through the engine (DeepStack features, interleaved M-RoPE): images alone, two in a
-prompt and batched with text, chunked through an image, == transformers' generate in float32.
+prompt and batched with text, chunked through an image, preempted and recomputed, ==
+transformers' generate in float32.
 Videos (frame timestamps in the prompt): test_vl_video_qwen3.py."""
 
 from __future__ import annotations
@@ -13,13 +14,17 @@ from vl_reference import Media, reference_greedy_vl
 
 from metrale import LLM
 
+PREEMPTING_BLOCKS = 14  # of 4 tokens: every prompt fits alone, the three together do not
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return make_vl_checkpoint(str(tmp_path_factory.mktemp("qwen3_vl")), "qwen3_vl")
 
 
-def test_qwen3_vl_images_batched_with_text(checkpoint):
+@pytest.fixture(scope="module")
+def cases(checkpoint):
+    """[(prompt, transformers' greedy tokens)]: one image, two images, text alone."""
     import transformers
 
     reference = transformers.Qwen3VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -29,10 +34,24 @@ def test_qwen3_vl_images_batched_with_text(checkpoint):
     one = image_prompt(media, "Hello, world!", " What is it?")
     two = image_prompt(media, "The quick brown fox", " jumps", count=2)
     text = text_ids(media, "A paged KV cache stores keys")
-    expected = [hf_image_tokens(media, reference, one, [a]), hf_image_tokens(media, reference, two, [b, c]),
-                reference_greedy_vl(reference, text, NEW_TOKENS)]
+    return [({"prompt_token_ids": one, "multi_modal_data": {"image": a}}, hf_image_tokens(media, reference, one, [a])),
+            ({"prompt_token_ids": two, "multi_modal_data": {"image": [b, c]}},
+             hf_image_tokens(media, reference, two, [b, c])),
+            ({"prompt_token_ids": text}, reference_greedy_vl(reference, text, NEW_TOKENS))]
+
+
+def generate(llm, cases) -> list[list[int]]:
+    outs = llm.generate([prompt for prompt, _ in cases], greedy(), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_qwen3_vl_images_batched_with_text(checkpoint, cases):
     llm = LLM(checkpoint, dtype="float32", device="cpu", max_num_batched_tokens=7)
-    outs = llm.generate([{"prompt_token_ids": one, "multi_modal_data": {"image": a}},
-                         {"prompt_token_ids": two, "multi_modal_data": {"image": [b, c]}},
-                         {"prompt_token_ids": text}], greedy(), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert generate(llm, cases) == [expected for _, expected in cases]
+
+
+def test_qwen3_vl_preemption_recomputes_with_images(checkpoint, cases):
+    llm = LLM(checkpoint, dtype="float32", device="cpu", num_kv_blocks=PREEMPTING_BLOCKS, block_size=4,
+              max_num_batched_tokens=16)
+    assert generate(llm, cases) == [expected for _, expected in cases]
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
