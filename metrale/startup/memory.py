@@ -20,6 +20,7 @@ from metrale.executor.memory_plan import (CPU_DEFAULT_KV_BYTES, CUDA_RUNTIME_OVE
 from metrale.executor.model_runner import ModelRunner
 from metrale.executor.startup_passes import attention_layers, calibrate_kv_scales, profile_activation_bytes
 from metrale.executor.model_loader import construct_model
+from metrale.multimodal.processor import DEFAULT_LIMITS
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,9 @@ def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
 
 def encoder_reserve(args: EngineArgs, config: ModelConfig, meta_model, device: torch.device) -> tuple[int, str]:
     """A vision-language model's encoder reserve (executor/memory_plan.py estimate_encoder_bytes)
-    for the largest item its processor allows: preprocessor_config.json's max pixels, lowered by
-    --mm-processor-kwargs and --vision-max-pixels; the cache at the encoder budget (engine.py)."""
+    for the largest item its processor allows: an image of preprocessor_config.json's max pixels,
+    lowered by --mm-processor-kwargs and --vision-max-pixels, or (videos allowed) a video of the
+    encoder budget's tokens; the cache at the encoder budget (engine.py)."""
     vl_config = getattr(meta_model, "vl_config", None)
     if not getattr(meta_model, "supports_multimodal", False) or vl_config is None:
         return 0, ""
@@ -96,7 +98,12 @@ def encoder_reserve(args: EngineArgs, config: ModelConfig, meta_model, device: t
     unit = int(processor.get("patch_size", vision.patch_size)) * int(processor.get("merge_size", 2))
     rows = args.max_num_encoder_tokens or max(args.step_token_budget(device.type), max_pixels // (unit * unit))
     width = 1 + len(getattr(vision, "deepstack_visual_indexes", None) or ())
-    return estimate_encoder_bytes(vision, config.hf_config.hidden_size, config.dtype, max_pixels, rows, width)
+    # A video is one item of many frames: the processor admits any item of up to `rows` tokens
+    # (the encoder budget), so where videos are allowed the tower may see rows * unit^2 pixels.
+    item_pixels = max_pixels
+    if args.media_limits.get("video", DEFAULT_LIMITS["video"]) > 0:
+        item_pixels = max(max_pixels, rows * unit * unit)
+    return estimate_encoder_bytes(vision, config.hf_config.hidden_size, config.dtype, item_pixels, rows, width)
 
 
 def measure_on_cuda(plan: MemoryPlan, runner: ModelRunner, args: EngineArgs, device: torch.device) -> None:
