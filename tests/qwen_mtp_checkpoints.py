@@ -15,7 +15,9 @@ import shutil
 
 import torch
 
-from checkpoints import load_reference
+from checkpoints import load_reference, reference_greedy
+from hybrid_checkpoints import spec_prompts
+from metrale import LLM, SamplingParams
 
 LAYERS = 2  # layer 0 Gated DeltaNet, layer 1 gated attention (the MTP layer's source)
 SOURCE = f"model.layers.{LAYERS - 1}."
@@ -156,3 +158,47 @@ def assert_drafts_equal_reference(make_llm, reference: ReferenceMTP, prompts: li
         assert drafts == reference.drafts(sequences[rid][:num_tokens], k, trunks[rid]), (rid, num_tokens)
         checked += 1
     return checked
+
+
+# -- shared by the MTP drafting tests (test_mtp_qwen3_next.py, test_mtp_dense.py) -----------------
+
+MTP_NEW_TOKENS = 12
+MTP_GREEDY = SamplingParams(temperature=0, max_tokens=MTP_NEW_TOKENS, ignore_eos=True)
+
+
+def mtp_checkpoint_cache(tmp_path_factory, tag: str, make_base, **layer_kwargs):
+    """family -> (base, with MTP, the MTP tensors, transformers' greedy tokens on spec_prompts()),
+    each family built once: `make_base(path, family)` writes the base checkpoint, `layer_kwargs`
+    go to write_mtp_layer."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            root = tmp_path_factory.mktemp(f"{tag}_{family}")
+            base = make_base(str(root / "base"), family)
+            mtp = write_mtp_layer(base, str(root / "with_mtp"), **layer_kwargs)
+            reference = load_reference(base)
+            expected = [reference_greedy(reference, p, MTP_NEW_TOKENS) for p in spec_prompts()]
+            cache[family] = base, str(root / "with_mtp"), mtp, expected
+        return cache[family]
+
+    return get
+
+
+def mtp_engine(path: str, k: int | None = 1, **kwargs) -> LLM:
+    spec = {"method": "mtp"} if k is None else {"method": "mtp", "num_speculative_tokens": k}
+    return LLM(path, dtype="float32", device="cpu", speculative_config=spec, **kwargs)
+
+
+def greedy(llm: LLM, prompts=None) -> list[list[int]]:
+    prompts = [{"prompt_token_ids": p} for p in (prompts or spec_prompts())]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, MTP_GREEDY, use_tqdm=False)]
+
+
+def assert_drafted_and_idle(llm: LLM) -> None:
+    """Drafts were proposed, and every block (and state slot, where the model keeps state) is free again."""
+    scheduler = llm.llm_engine.scheduler
+    assert scheduler.spec_stats.num_drafts > 0, scheduler.spec_stats
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
+    if llm.llm_engine.runner.layout.has_state:
+        assert scheduler.kv.num_free_state_slots == scheduler.max_num_seqs

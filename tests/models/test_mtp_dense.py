@@ -26,48 +26,19 @@ import pytest
 from checkpoints import load_reference, make_checkpoint, reference_greedy
 from hybrid_checkpoints import SPEC_INITIALIZER_RANGE
 from hybrid_checkpoints import spec_prompts as make_prompts
-from metrale import LLM, SamplingParams
+from metrale import LLM
 from metrale.config.engine_args import EngineArgs
-from qwen_mtp_checkpoints import DENSE, ReferenceMTP, assert_drafts_equal_reference, write_mtp_layer
+from qwen_mtp_checkpoints import MTP_GREEDY as GREEDY, MTP_NEW_TOKENS as NEW_TOKENS
+from qwen_mtp_checkpoints import (DENSE, ReferenceMTP, assert_drafted_and_idle, assert_drafts_equal_reference, greedy,
+                                  mtp_checkpoint_cache, mtp_engine, write_mtp_layer)
 
-NEW_TOKENS = 12
-GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 LAYERS = 2  # checkpoints.py's tiny models; the MTP layer is the last one's tensors times 1.5
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """family -> (base, with MTP, the MTP tensors, transformers' tokens)."""
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            root = tmp_path_factory.mktemp(f"dense_mtp_{family}")
-            base = make_checkpoint(str(root / "base"), family, num_hidden_layers=LAYERS,
-                                   initializer_range=SPEC_INITIALIZER_RANGE)
-            mtp = write_mtp_layer(base, str(root / "with_mtp"), **DENSE)
-            reference = load_reference(base)
-            expected = [reference_greedy(reference, p, NEW_TOKENS) for p in make_prompts()]
-            cache[family] = base, str(root / "with_mtp"), mtp, expected
-        return cache[family]
-
-    return get
-
-
-def mtp_engine(path: str, k: int | None = 1, **kwargs) -> LLM:
-    spec = {"method": "mtp"} if k is None else {"method": "mtp", "num_speculative_tokens": k}
-    return LLM(path, dtype="float32", device="cpu", speculative_config=spec, **kwargs)
-
-
-def greedy(llm: LLM, prompts=None) -> list[list[int]]:
-    prompts = [{"prompt_token_ids": p} for p in (prompts or make_prompts())]
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-
-
-def assert_drafted_and_idle(llm: LLM) -> None:
-    scheduler = llm.llm_engine.scheduler
-    assert scheduler.spec_stats.num_drafts > 0, scheduler.spec_stats
-    assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
+    return mtp_checkpoint_cache(tmp_path_factory, "dense_mtp", lambda path, family: make_checkpoint(
+        path, family, num_hidden_layers=LAYERS, initializer_range=SPEC_INITIALIZER_RANGE), **DENSE)
 
 
 @pytest.mark.parametrize("family, k", [("llama", 2), ("qwen3", 1)])
