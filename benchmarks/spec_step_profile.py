@@ -5,6 +5,8 @@ gave one token and steps that gave more, apart), then the speculative run again 
 
     PYTHONPATH=. python3 benchmarks/spec_step_profile.py --model demo
     PYTHONPATH=. python3 benchmarks/spec_step_profile.py --model metrale/model_configs/Qwen3-8B --load-format dummy
+    PYTHONPATH=. python3 benchmarks/spec_step_profile.py --model metrale/model_configs/Qwen3-8B --load-format dummy \
+        --hf-overrides '{"num_nextn_predict_layers": 1}' --speculative-config '{"method": "mtp"}' --speculative-only
 
 Prints per run: steps, ms per step, ms per generated token (plain synchronous, plain with the
 engine's default scheduling, speculative), then the profile's top functions.
@@ -97,10 +99,14 @@ def main():
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--speculative-config", default=json.dumps(NGRAM))
     parser.add_argument("--rows", type=int, default=30, help="profile rows")
+    parser.add_argument("--hf-overrides", default=None, help="JSON object of config.json fields to replace")
+    parser.add_argument("--speculative-only", action="store_true", help="skip the two plain runs")
     args = parser.parse_args()
-    run(args, "plain, synchronous", async_scheduling=False)
-    run(args, "plain, default")
-    run(args, "speculative", speculative_config=json.loads(args.speculative_config))
+    extra = {"hf_overrides": args.hf_overrides} if args.hf_overrides else {}
+    if not args.speculative_only:
+        run(args, "plain, synchronous", async_scheduling=False, **extra)
+        run(args, "plain, default", **extra)
+    run(args, "speculative", speculative_config=json.loads(args.speculative_config), **extra)
 
 
 if __name__ == "__main__":
