@@ -16,6 +16,7 @@ from metrale.executor.cuda_graphs import (VerifyGraphs, VerifyGraphSet, capture_
 from metrale.kernels import HAS_TRITON, interpret_mode
 from metrale.layers.cache_backend import get_backend
 from mla_checkpoints import make_mla_checkpoint
+from qwen_mtp_checkpoints import DENSE, write_mtp_layer
 
 
 def test_verify_capture_sizes_keep_the_rows_within_max_num_seqs():
@@ -85,7 +86,7 @@ class EagerVerifyGraphs(VerifyGraphs):
     def capture(self, pool=None):
         for batch in self.sizes:
             self.graphs[batch] = _EagerReplay(self, batch)
-            self.logits[batch] = None
+            self.logits[batch] = self.hidden[batch] = None
         return pool
 
 
@@ -96,7 +97,7 @@ class _EagerReplay:
 
     def replay(self):
         self.replays += 1
-        self.graphs.logits[self.batch] = self.graphs._forward(self.batch)
+        self.graphs.hidden[self.batch], self.graphs.logits[self.batch] = self.graphs._forward(self.batch)
 
 
 def _with_triton_backends(llm):
@@ -111,6 +112,7 @@ def _with_triton_backends(llm):
 # [200]: the tiny Llama's greedy output repeats a token there, so drafts are accepted
 PROMPTS = [[200], [5, 6, 7, 8, 9] * 6]
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+MTP = {"method": "mtp", "num_speculative_tokens": 2}
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
@@ -120,18 +122,25 @@ def _tokens(llm):
 
 
 @pytest.mark.skipif(not (HAS_TRITON and interpret_mode()), reason="needs triton's CPU interpreter")
-@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
-def test_verify_graph_steps_give_plain_greedy_tokens(family, checkpoint_factory, tmp_path):
+@pytest.mark.parametrize("family, spec", [("llama", SPEC), ("deepseek_v3", SPEC), ("llama", MTP)])
+def test_verify_graph_steps_give_plain_greedy_tokens(family, spec, checkpoint_factory, tmp_path):
     path = make_mla_checkpoint(str(tmp_path), family) if family == "deepseek_v3" else checkpoint_factory(family)
+    if spec is MTP:  # a passthrough MTP layer: the drafter reads the hidden states the graph kept
+        write_mtp_layer(path, str(tmp_path / "mtp"), passthrough=True, **DENSE)
+        path = str(tmp_path / "mtp")
     kwargs = dict(dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=4)
     plain = _tokens(LLM(path, **kwargs))  # the PyTorch backends (tests/gpu: the Triton ones give the same)
-    llm = _with_triton_backends(LLM(path, speculative_config=SPEC, **kwargs))
+    llm = _with_triton_backends(LLM(path, speculative_config=spec, **kwargs))
     runner = llm.llm_engine.runner
     max_model_len = llm.llm_engine.model_config.max_model_len
     runner.verify_graphs = EagerVerifyGraphs(runner, [1, 2, 4], -(-max_model_len // runner.block_size), max_model_len,
-                                             1 + SPEC["num_speculative_tokens"])
+                                             1 + spec["num_speculative_tokens"])
     runner.verify_graphs.capture()
     assert _tokens(llm) == plain
     assert sum(g.replays for g in runner.verify_graphs.graphs.values()) > 0
     if family == "llama":
         assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
+    if spec is MTP:  # the drafter saw the same hidden states as without graphs: the same drafts accepted
+        eager = _with_triton_backends(LLM(path, speculative_config=spec, **kwargs))
+        assert _tokens(eager) == plain
+        assert eager.llm_engine.scheduler.spec_stats == llm.llm_engine.scheduler.spec_stats
