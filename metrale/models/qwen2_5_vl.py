@@ -7,31 +7,24 @@
 
 Positions (`mrope_positions`): videos are spaced in time by tokens_per_second *
 second_per_grid_ts (1 when the processor gives none). The shared VL parts (multimodal
-embedding, forward, checkpoint names, tied embeddings) are in qwen_vl_base.py.
+embedding, forward, checkpoint names, tied embeddings) are in qwen_vl_base.py, the decoder and
+M-RoPE set-up in qwen2_vl.py (this class is Qwen2-VL's with another tower and positions).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from metrale.config.model_config import ModelConfig
 from metrale.layers.vision.qwen2_5_tower import Qwen2_5VisionTower
-from metrale.models.llama import Qwen2ForCausalLM
-from metrale.models.qwen_vl_base import QwenVLMixin, full_hf_config, use_mrope, whole_config
+from metrale.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from metrale.models.qwen_vl_base import whole_config
 from metrale.models.qwen_vl_positions import mrope_positions
 
 
-class Qwen2_5_VLForConditionalGeneration(QwenVLMixin, Qwen2ForCausalLM):
-    def __init__(self, config: ModelConfig):
-        super().__init__(config)
-        full = full_hf_config(config)
-        self.setup_vision(full, Qwen2_5VisionTower(full.vision_config), deepstack_layers=0)
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen2-VL's model with the window-attention tower and time-spaced video positions."""
 
-    def make_attention(self, config: ModelConfig, layer_index: int):
-        return use_mrope(super().make_attention(config, layer_index), config, [16, 24, 24], interleaved=False)
-
-    def tower_outputs(self, pixel_values, grid_thw):
-        return self.visual(pixel_values, grid_thw)
+    vision_tower = Qwen2_5VisionTower
 
     @classmethod
     def mrope_positions(cls, hf_config, input_ids: list[int], image_grid_thw=None, video_grid_thw=None,

@@ -15,10 +15,14 @@ from metrale.models.qwen_vl_positions import mrope_positions
 
 
 class Qwen2VLForConditionalGeneration(QwenVLMixin, Qwen2ForCausalLM):
+    """Also the base of Qwen2.5-VL, which changes the tower (`vision_tower`) and the positions."""
+
+    vision_tower = Qwen2VisionTower
+
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         full = full_hf_config(config)
-        self.setup_vision(full, Qwen2VisionTower(full.vision_config), deepstack_layers=0)
+        self.setup_vision(full, self.vision_tower(full.vision_config), deepstack_layers=0)
 
     def make_attention(self, config: ModelConfig, layer_index: int):
         return use_mrope(super().make_attention(config, layer_index), config, [16, 24, 24], interleaved=False)
