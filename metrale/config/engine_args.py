@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 
 from metrale.config.errors import OptionError
+from metrale.config.json_object import json_object
 from metrale.config.quantization import SUPPORTED_METHODS
 from metrale.config.mtp_drafts import default_mtp_drafts
 from metrale.config.speculative_config import SpeculativeConfig
@@ -255,19 +256,7 @@ class EngineArgs:
     @property
     def config_overrides(self) -> dict:
         """`hf_overrides` as a dict (given as one, or as a JSON object on the command line)."""
-        if isinstance(self.hf_overrides, dict):
-            return dict(self.hf_overrides)
-        if not self.hf_overrides.strip():
-            return {}
-        import json
-
-        try:
-            overrides = json.loads(self.hf_overrides)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"hf_overrides must be a JSON object: {e}") from None
-        if not isinstance(overrides, dict):
-            raise ValueError(f"hf_overrides must be a JSON object, got {self.hf_overrides!r}")
-        return overrides
+        return _json_object(self.hf_overrides, "hf_overrides")
 
     @property
     def media_limits(self) -> dict:
@@ -362,19 +351,8 @@ class EngineArgs:
 
 
 def _json_object(value: str | dict, name: str) -> dict:
-    if isinstance(value, dict):
-        return dict(value)
-    if not value.strip():
-        return {}
-    import json
-
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{name} must be a JSON object: {e}") from None
-    if not isinstance(parsed, dict):
-        raise ValueError(f"{name} must be a JSON object, got {value!r}")
-    return parsed
+    """An option given as a dict or a JSON object; an empty string is {}."""
+    return {} if isinstance(value, str) and not value.strip() else json_object(value, name)
 
 
 def _base_type(annotation) -> type:

@@ -8,10 +8,10 @@ asked for.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from metrale.config.dflash_config import DFlashConfig
+from metrale.config.json_object import json_object
 
 # Methods a user may reasonably ask for that met does not draft with yet (docs/speculative.md).
 NOT_BUILT_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "suffix")
@@ -58,13 +58,7 @@ class SpeculativeConfig:
                     raise ValueError(f"{name} configures a drafter, and no drafter is configured: give "
                                      "speculative_config too")
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        value = json_object(value, "speculative_config")
         unknown = sorted(set(value) - set(_KEYS))
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; met takes "
