@@ -8,15 +8,7 @@ import torch.nn.functional as F
 
 from metrale.kernels.skinny_gemm import skinny_config, skinny_gemm, skinny_gemm_triton
 
-TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
-
-
-def _inputs(device, dtype, M, N, K, bias, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g).to(dtype=dtype, device=device)
-    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype=dtype, device=device)
-    b = torch.randn(N, generator=g).to(dtype=dtype, device=device) if bias else None
-    return x, w, b
+from test_gemv import TOL, _inputs  # the GEMV's tolerances and random operands
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

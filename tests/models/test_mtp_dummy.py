@@ -66,22 +66,23 @@ def test_dummy_mtp_drafts_are_lossless(model, overrides):
     assert len(model_.mtp) == 1 and model_.mtp_sha256 == plain.llm_engine.runner.model.mtp_sha256 is not None
 
 
+def assert_no_dummy_mtp_layer(config_dir: str, overrides: dict, refusal: str) -> None:
+    """Dummy weights of the config: no MTP layer (a plain run starts), and `method: "mtp"` refused."""
+    def dummy(**kwargs):
+        return LLM(config_dir, load_format="dummy", device="cpu", dtype="float32", hf_overrides=overrides,
+                   skip_tokenizer_init=True, max_model_len=64, **kwargs)
+
+    assert not hasattr(dummy().llm_engine.runner.model, "mtp")
+    with pytest.raises(ValueError, match=refusal):
+        dummy(speculative_config=MTP)
+
+
 def test_a_dense_config_without_a_declared_count_builds_no_mtp_layer():
-    llm = LLM(Q8, load_format="dummy", device="cpu", dtype="float32", hf_overrides=TINY_Q8, skip_tokenizer_init=True,
-              max_model_len=64)
-    assert not hasattr(llm.llm_engine.runner.model, "mtp")
-    with pytest.raises(ValueError, match="declares no MTP layers"):
-        LLM(Q8, load_format="dummy", device="cpu", dtype="float32", hf_overrides=TINY_Q8, skip_tokenizer_init=True,
-            max_model_len=64, speculative_config=MTP)
+    assert_no_dummy_mtp_layer(Q8, TINY_Q8, "declares no MTP layers")
 
 
 def test_a_hybrid_trunk_cut_below_its_first_full_attention_layer_drafts_no_dummy_mtp():
     """Qwen3-Next cut to 2 layers (both Gated DeltaNet): no layer to shape the MTP attention on,
     so the dummy model has none (a plain run works) and `method: "mtp"` is refused naming why."""
-    cut = dict(TINY_NEXT, num_hidden_layers=2)
-    llm = LLM(NEXT, load_format="dummy", device="cpu", dtype="float32", hf_overrides=cut, skip_tokenizer_init=True,
-              max_model_len=64)
-    assert not hasattr(llm.llm_engine.runner.model, "mtp")
-    with pytest.raises(ValueError, match="no full-attention layer to shape the dummy MTP layer"):
-        LLM(NEXT, load_format="dummy", device="cpu", dtype="float32", hf_overrides=cut, skip_tokenizer_init=True,
-            max_model_len=64, speculative_config=MTP)
+    assert_no_dummy_mtp_layer(NEXT, dict(TINY_NEXT, num_hidden_layers=2),
+                              "no full-attention layer to shape the dummy MTP layer")
