@@ -85,6 +85,27 @@ def wall_us(fn, iters: int) -> float:
     return (time.perf_counter() - begin) * 1e6 / iters
 
 
+def kernel_us(fn, replays: int) -> dict[str, float]:
+    """Microseconds per replay of fn spent in each kernel (by name), from torch.profiler."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / replays for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def print_kernel_diff(plain: dict[str, float], verify: dict[str, float], k: int, rows: int = 25) -> None:
+    """The kernels of a verify step against a plain step, largest difference first."""
+    names = sorted(set(plain) | set(verify), key=lambda n: -abs(verify.get(n, 0.0) - plain.get(n, 0.0)))
+    print(f"  kernels, batch 1, k={k}: plain {sum(plain.values()):.1f} us, verify {sum(verify.values()):.1f} us")
+    for name in names[:rows]:
+        p, v = plain.get(name, 0.0), verify.get(name, 0.0)
+        print(f"    {p:9.1f} {v:9.1f} {v - p:+8.1f}  {name[:110]}")
+
+
 def rows_of(batch: int, params: SamplingParams, context_len: int) -> list[SamplingRow]:
     return [SamplingRow(params, 1234 + i, list(range(context_len + 1)), context_len) for i in range(batch)]
 
@@ -100,6 +121,8 @@ def main():
     parser.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=False,
                         help="linear layers of 2..16 rows on the skinny GEMM where the layer would pick it, "
                              "or (default, as the engine runs) on cuBLAS")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print, for batch 1, the kernel times of each verify graph against the plain one")
     args = parser.parse_args()
     linear.SKINNY_GEMM = args.skinny_gemm  # before the engine captures its graphs
     max_batch, max_k = max(args.batch_sizes), max(args.ks)
@@ -131,11 +154,14 @@ def main():
         plain_logits = runner.graphs.logits[batch]
         plain_rows = rows_of(batch, greedy, args.context_len)
         sampler = wall_us(lambda: sample_tokens(plain_logits, plain_rows), args.iters)
+        plain_kernels = kernel_us(runner.graphs.graphs[batch].replay, 10) if args.profile and batch == 1 else None
         for k in args.ks:
             graphs = VerifyGraphs(runner, [batch], max_blocks, max_model_len, 1 + k)
             graphs.capture()
             fill(graphs, batch, args.context_len, 1 + k, blocks_per_seq, vocab)
             verify = device_us(graphs.graphs[batch].replay, args.iters)
+            if plain_kernels is not None:
+                print_kernel_diff(plain_kernels, kernel_us(graphs.graphs[batch].replay, 10), k)
             with torch.inference_mode(), runner.kernel_context():
                 eager = device_us(lambda: graphs._forward(batch), max(5, args.iters // 5))
             logits = graphs.logits[batch]
