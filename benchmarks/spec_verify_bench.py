@@ -122,15 +122,15 @@ def main():
     parser.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=False,
                         help="linear layers of 2..16 rows on the skinny GEMM where the layer would pick it, "
                              "or (default, as the engine runs) on cuBLAS")
-    parser.add_argument("--skinny-prefetch", action=argparse.BooleanOptionalAction, default=True,
-                        help="the skinny GEMM loads its first weight chunk before its PDL wait")
+    parser.add_argument("--skinny-pdl", action=argparse.BooleanOptionalAction, default=False,
+                        help="the skinny GEMM takes programmatic dependent launch too (skinny_gemm.PDL_LAUNCH)")
     parser.add_argument("--programmatic-launch", action=argparse.BooleanOptionalAction, default=None,
                         help="the engine's --programmatic-launch (default: on where supported)")
     parser.add_argument("--profile", action="store_true",
                         help="also print, for batch 1, the kernel times of each verify graph against the plain one")
     args = parser.parse_args()
     linear.SKINNY_GEMM = args.skinny_gemm  # before the engine captures its graphs
-    skinny_gemm.PREFETCH = args.skinny_prefetch
+    skinny_gemm.PDL_LAUNCH = args.skinny_pdl
     max_batch, max_k = max(args.batch_sizes), max(args.ks)
     max_model_len = args.context_len + max_k + 64
     llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=max_model_len,
@@ -147,7 +147,7 @@ def main():
     max_blocks = -(-max_model_len // bs)
     greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9)
     print(f"{args.model}: backends {runner.backend_names}, skinny GEMM {'on' if args.skinny_gemm else 'off'} "
-          f"(prefetch {'on' if args.skinny_prefetch else 'off'}), PDL {args.programmatic_launch}, "
+          f"(PDL {'on' if args.skinny_pdl else 'off'}), engine PDL {args.programmatic_launch}, "
           f"context {args.context_len}, "
           f"{args.iters} replays per figure (us)")
     print(f"{'batch':>5} {'k':>2} {'plain':>8} {'verify':>8} {'ratio':>6} {'eager':>8} {'sampler':>8} "

@@ -30,8 +30,11 @@ from metrale.kernels.gemv import linear_operands
 
 MIN_M, MAX_M = 2, 16
 _BLOCK_M = 16  # x's rows, padded: the smallest tl.dot operand
-# Whether a PDL launch loads its first weight chunk before waiting for the previous kernel.
-PREFETCH = True
+# Whether the kernel takes programmatic dependent launch where the engine enables it. Off: on the
+# H200 (`9cda78b`, benchmarks/spec_verify_bench.py) Qwen3-8B's batch-1 verify steps took 1.19-1.24x
+# a plain step with the skinny GEMM launched with PDL (with or without loading its first weight
+# chunk before the wait), and 1.09-1.14x with PDL off everywhere; cuBLAS in its place, 1.12-1.18x.
+PDL_LAUNCH = False
 
 
 class SkinnyConfig(NamedTuple):
@@ -54,24 +57,13 @@ def skinny_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -
 
 
 @triton.jit
-def _skinny_dot(acc, w, xt, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    if IEEE:
-        return acc + tl.dot(w, xt, input_precision="ieee")
-    if INTERPRET:  # the CPU interpreter's 16-bit tl.dot gives garbage (Triton 3.x): widen first
-        return acc + tl.dot(w.to(tl.float32), xt.to(tl.float32))
-    return acc + tl.dot(w, xt)
-
-
-@triton.jit
 def _skinny_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    # With PREFETCH (PDL and K >= BLOCK_K) the first weight chunk is loaded BEFORE waiting for the
-    # previous kernel, as the GEMV does: no kernel writes weights; x is read only after the wait.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
@@ -80,14 +72,8 @@ def _skinny_kernel(
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     xt_ptrs = x_ptr + offs_k[:, None] + offs_m[None, :] * stride_xm  # x^T [BLOCK_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    k_start = 0
-    if PREFETCH:
-        w_first = tl.load(w_ptrs)
     pdl_wait(PDL)  # x comes from the previous kernel
-    if PREFETCH:
-        acc = _skinny_dot(acc, w_first, tl.load(xt_ptrs, mask=mmask[None, :], other=0.0), IEEE, INTERPRET)
-        k_start = BLOCK_K
-    for k0 in tl.range(k_start, K, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
             w = tl.load(w_ptrs + k0)
             xt = tl.load(xt_ptrs + k0, mask=mmask[None, :], other=0.0)
@@ -95,7 +81,12 @@ def _skinny_kernel(
             kmask = (k0 + offs_k) < K
             w = tl.load(w_ptrs + k0, mask=kmask[None, :], other=0.0)
             xt = tl.load(xt_ptrs + k0, mask=kmask[:, None] & mmask[None, :], other=0.0)
-        acc = _skinny_dot(acc, w, xt, IEEE, INTERPRET)
+        if IEEE:
+            acc += tl.dot(w, xt, input_precision="ieee")
+        elif INTERPRET:  # the CPU interpreter's 16-bit tl.dot gives garbage (Triton 3.x): widen first
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
+        else:
+            acc += tl.dot(w, xt)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -114,15 +105,13 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     cfg = skinny_config(M, N, K, x.dtype)
     cfg = SkinnyConfig(block_n or cfg.block_n, block_k or cfg.block_k, num_warps or cfg.num_warps,
                        num_stages or cfg.num_stages)
-    pdl = pdl_args()
     _skinny_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, weight, bias if bias is not None else y, y,
         M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
         INTERPRET=interpret_mode(),
         BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-        PREFETCH=PREFETCH and pdl["PDL"] and K >= cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(pdl_args() if PDL_LAUNCH else {"PDL": False}),
     )
     return y
 
