@@ -124,13 +124,18 @@ def main():
                              "or (default, as the engine runs) on cuBLAS")
     parser.add_argument("--skinny-pdl", action=argparse.BooleanOptionalAction, default=False,
                         help="the skinny GEMM takes programmatic dependent launch too (skinny_gemm.PDL_LAUNCH)")
+    parser.add_argument("--skinny-trigger", action="store_true",
+                        help="with --skinny-pdl: the next kernel may launch right after the skinny GEMM's wait")
+    parser.add_argument("--skinny-max-n", type=int, default=linear.SKINNY_MAX_N,
+                        help="the widest weight (N) the skinny GEMM takes")
     parser.add_argument("--programmatic-launch", action=argparse.BooleanOptionalAction, default=None,
                         help="the engine's --programmatic-launch (default: on where supported)")
     parser.add_argument("--profile", action="store_true",
                         help="also print, for batch 1, the kernel times of each verify graph against the plain one")
     args = parser.parse_args()
     linear.SKINNY_GEMM = args.skinny_gemm  # before the engine captures its graphs
-    skinny_gemm.PDL_LAUNCH = args.skinny_pdl
+    skinny_gemm.PDL_LAUNCH, skinny_gemm.PDL_TRIGGER = args.skinny_pdl, args.skinny_trigger
+    linear.SKINNY_MAX_N = args.skinny_max_n
     max_batch, max_k = max(args.batch_sizes), max(args.ks)
     max_model_len = args.context_len + max_k + 64
     llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=max_model_len,
@@ -147,7 +152,7 @@ def main():
     max_blocks = -(-max_model_len // bs)
     greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9)
     print(f"{args.model}: backends {runner.backend_names}, skinny GEMM {'on' if args.skinny_gemm else 'off'} "
-          f"(PDL {'on' if args.skinny_pdl else 'off'}), engine PDL {args.programmatic_launch}, "
+          f"(PDL {'on' if args.skinny_pdl else 'off'}, trigger {args.skinny_trigger}, max N {args.skinny_max_n}), engine PDL {args.programmatic_launch}, "
           f"context {args.context_len}, "
           f"{args.iters} replays per figure (us)")
     print(f"{'batch':>5} {'k':>2} {'plain':>8} {'verify':>8} {'ratio':>6} {'eager':>8} {'sampler':>8} "

@@ -99,6 +99,7 @@ def _one_row(x: torch.Tensor) -> bool:
 # cuBLAS (k = 1: 1.154 / 1.162), although the kernel beat cuBLAS in isolation
 # (benchmarks/skinny_gemm_bench.py). Benchmarks switch it on before the engine captures its graphs.
 SKINNY_GEMM = False
+SKINNY_MAX_N = 8192
 
 
 def _skinny_shape(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -107,7 +108,7 @@ def _skinny_shape(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not SKINNY_GEMM:
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return 2 <= rows <= 16 and weight.shape[1] >= 4096 and weight.shape[0] <= 8192
+    return 2 <= rows <= 16 and weight.shape[1] >= 4096 and weight.shape[0] <= SKINNY_MAX_N
 
 
 class ReplicatedLinear(LinearBase):
