@@ -263,7 +263,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> update. With asynchronous scheduling, step N is launched before
-        step N-1's tokens are read back and applied, so the host plans while the device works."""
+        step N-1's tokens are read back and applied, so the host plans while the device works; a
+        step that gives most of its requests their first token is read in the call that launched
+        it (`_first_tokens_lead`), so a first token never waits for the next step's launch."""
         touched: list[str] = []
         plan, ended = self.scheduler.schedule()
         for request in ended:
@@ -271,16 +273,38 @@ class LLMEngine:
         if self._inflight is not None and self._needs_real_tokens(plan):
             self._complete(*self._inflight, touched)
             self._inflight = None
+        read_at_once = not self.async_scheduling or plan.is_empty or self._first_tokens_lead(plan)
         pending = self.executor.execute_async(plan)
         if self._inflight is not None:
             self._complete(*self._inflight, touched)
         self._inflight = None
-        if self.async_scheduling and not plan.is_empty:
-            self._inflight = (plan, pending)
-        else:
+        if read_at_once:
             self._complete(plan, pending, touched)
+        else:
+            self._inflight = (plan, pending)
         outputs = (self._output(parent_id) for parent_id in dict.fromkeys(touched))
         return [out for out in outputs if out is not None]
+
+    def _first_tokens_lead(self, plan) -> bool:
+        """Whether at least half of the requests this step samples for get their FIRST token
+        from it (their prefill ends here). Such a step is read as soon as its device work ends,
+        in the call that launched it, as the synchronous engine does: left in flight, its first
+        tokens would wait for the next call to schedule and launch the following step (a whole
+        step on the CPU, where launching is computing). The following step then starts after the
+        host has planned it, once per such step: at most as many requests lose the overlap for
+        one step as get their first token earlier, and steps of decodes keep it."""
+        counts = plan.num_scheduled_tokens
+        if not plan.new_requests and plan.total_num_scheduled_tokens == len(counts):
+            return False  # one token per running request, none admitted: decodes (or a one-token last chunk)
+        requests = self.scheduler.requests
+        num_sampled = num_first = 0
+        for request_id in counts:
+            request = requests.get(request_id)
+            if request is None or not request.num_pending:
+                continue  # a prefill chunk short of the prompt's end samples nothing
+            num_sampled += 1
+            num_first += request.num_pending == 1 and request.num_known_tokens == request.num_prompt_tokens
+        return num_first > 0 and 2 * num_first >= num_sampled
 
     def _needs_real_tokens(self, plan) -> bool:
         """Penalties read the previous tokens' values, and a grammar's token bitmask follows from
