@@ -36,6 +36,7 @@ from metrale.executor.rejection_sampler import verify_drafts  # noqa: E402
 from metrale.executor.sampler import SamplingRow, sample_tokens  # noqa: E402
 from metrale.kernels import skinny_gemm  # noqa: E402
 from metrale.layers import linear  # noqa: E402
+from metrale.layers.attention import triton_backend  # noqa: E402
 from metrale.messages.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -107,6 +108,19 @@ def print_kernel_diff(plain: dict[str, float], verify: dict[str, float], k: int,
         print(f"    {p:9.1f} {v:9.1f} {v - p:+8.1f}  {name[:110]}")
 
 
+def force_verify_kv_splits(num_splits: int) -> None:
+    """Verify steps' decode attention (more than one query row per sequence) with num_splits KV
+    splits instead of the engine's choice, for an A/B of the attention's share."""
+    decode = triton_backend.decode_attention_triton
+
+    def with_splits(*args, num_queries: int = 1, **kwargs):
+        if num_queries > 1:
+            kwargs["num_kv_splits"] = num_splits
+        return decode(*args, num_queries=num_queries, **kwargs)
+
+    triton_backend.decode_attention_triton = with_splits
+
+
 def rows_of(batch: int, params: SamplingParams, context_len: int) -> list[SamplingRow]:
     return [SamplingRow(params, 1234 + i, list(range(context_len + 1)), context_len) for i in range(batch)]
 
@@ -119,23 +133,22 @@ def main():
     parser.add_argument("--context-len", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--output", help="also write the rows as JSON here")
-    parser.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=False,
-                        help="linear layers of 2..16 rows on the skinny GEMM where the layer would pick it, "
-                             "or (default, as the engine runs) on cuBLAS")
+    parser.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=linear.SKINNY_GEMM,
+                        help="linear layers of 2..16 rows on the skinny GEMM where the layer picks it (the "
+                             "engine's default), or on cuBLAS")
     parser.add_argument("--skinny-pdl", action=argparse.BooleanOptionalAction, default=False,
                         help="the skinny GEMM takes programmatic dependent launch too (skinny_gemm.PDL_LAUNCH)")
-    parser.add_argument("--skinny-trigger", action="store_true",
-                        help="with --skinny-pdl: the next kernel may launch right after the skinny GEMM's wait")
-    parser.add_argument("--skinny-max-n", type=int, default=linear.SKINNY_MAX_N,
-                        help="the widest weight (N) the skinny GEMM takes")
+    parser.add_argument("--verify-kv-splits", type=int, default=None,
+                        help="split count of the verify graphs' decode attention (default: as the engine picks)")
     parser.add_argument("--programmatic-launch", action=argparse.BooleanOptionalAction, default=None,
                         help="the engine's --programmatic-launch (default: on where supported)")
     parser.add_argument("--profile", action="store_true",
                         help="also print, for batch 1, the kernel times of each verify graph against the plain one")
     args = parser.parse_args()
     linear.SKINNY_GEMM = args.skinny_gemm  # before the engine captures its graphs
-    skinny_gemm.PDL_LAUNCH, skinny_gemm.PDL_TRIGGER = args.skinny_pdl, args.skinny_trigger
-    linear.SKINNY_MAX_N = args.skinny_max_n
+    skinny_gemm.PDL_LAUNCH = args.skinny_pdl
+    if args.verify_kv_splits:
+        force_verify_kv_splits(args.verify_kv_splits)
     max_batch, max_k = max(args.batch_sizes), max(args.ks)
     max_model_len = args.context_len + max_k + 64
     llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=max_model_len,
@@ -152,7 +165,8 @@ def main():
     max_blocks = -(-max_model_len // bs)
     greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9)
     print(f"{args.model}: backends {runner.backend_names}, skinny GEMM {'on' if args.skinny_gemm else 'off'} "
-          f"(PDL {'on' if args.skinny_pdl else 'off'}, trigger {args.skinny_trigger}, max N {args.skinny_max_n}), engine PDL {args.programmatic_launch}, "
+          f"(PDL {'on' if args.skinny_pdl else 'off'}), engine PDL {args.programmatic_launch}, "
+          f"verify KV splits {args.verify_kv_splits or 'default'}, "
           f"context {args.context_len}, "
           f"{args.iters} replays per figure (us)")
     print(f"{'batch':>5} {'k':>2} {'plain':>8} {'verify':>8} {'ratio':>6} {'eager':>8} {'sampler':>8} "

@@ -25,17 +25,18 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from metrale.kernels import interpret_mode, pdl_args, pdl_launch_dependents, pdl_wait, tl, triton, use_triton
+from metrale.kernels import interpret_mode, pdl_args, pdl_wait, tl, triton, use_triton
 from metrale.kernels.gemv import linear_operands
 
 MIN_M, MAX_M = 2, 16
 _BLOCK_M = 16  # x's rows, padded: the smallest tl.dot operand
-# Whether the kernel takes programmatic dependent launch where the engine enables it. Off: on the
-# H200 (`9cda78b`, benchmarks/spec_verify_bench.py) Qwen3-8B's batch-1 verify steps took 1.19-1.24x
-# a plain step with the skinny GEMM launched with PDL (with or without loading its first weight
-# chunk before the wait), and 1.09-1.14x with PDL off everywhere; cuBLAS in its place, 1.12-1.18x.
+# Whether the kernel takes programmatic dependent launch where the engine enables it (a benchmark
+# switch: spec_verify_bench.py --skinny-pdl). Off: in one H200 job at `5a226ea`, Qwen3-8B's batch-1
+# verify steps (k = 1 / 2 / 4) took 1.112 / 1.117 / 1.164x a plain step with the kernel launched
+# without PDL, 1.195 / 1.239 / 1.211x with PDL, 1.186 / 1.230 / 1.195x with PDL and an early
+# trigger of the next kernel, and 1.133 / 1.140 / 1.189x on cuBLAS. (Loading the first weight chunk
+# before the PDL wait gained nothing either, `9cda78b`.)
 PDL_LAUNCH = False
-PDL_TRIGGER = False  # with PDL_LAUNCH: let the next kernel launch right after this one's wait
 
 
 class SkinnyConfig(NamedTuple):
@@ -63,7 +64,7 @@ def _skinny_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    TRIGGER: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -74,8 +75,6 @@ def _skinny_kernel(
     xt_ptrs = x_ptr + offs_k[:, None] + offs_m[None, :] * stride_xm  # x^T [BLOCK_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     pdl_wait(PDL)  # x comes from the previous kernel
-    if TRIGGER:
-        pdl_launch_dependents(PDL)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
             w = tl.load(w_ptrs + k0)
@@ -113,7 +112,7 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
         INTERPRET=interpret_mode(),
-        BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, TRIGGER=PDL_TRIGGER,
+        BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(pdl_args() if PDL_LAUNCH else {"PDL": False}),
     )
     return y

@@ -74,7 +74,7 @@ class LinearBase(nn.Module):
             return self.fp8.matmul(self, x, bias)
         # One token (batch-1 decode) reads the weight once: on CUDA the Triton GEMV beats cuBLAS
         # on every projection of Qwen3-8B at one row (benchmarks/gemv_bench.py). 2..16 rows: the
-        # skinny tensor-core GEMM only when SKINNY_GEMM is on (off by default: see there). Else F.linear.
+        # skinny tensor-core GEMM on the shapes where it beat cuBLAS (see SKINNY_GEMM). Else F.linear.
         if _one_row(x):
             return gemv(x, self.weight, bias)
         if _skinny_shape(x, self.weight):
@@ -93,22 +93,21 @@ def _one_row(x: torch.Tensor) -> bool:
     return x.numel() == x.shape[-1]
 
 
-# Whether linear layers take the skinny GEMM for 2..16 rows. Off: on the H200 (`9d78bd5`,
-# benchmarks/spec_verify_bench.py --skinny-gemm / --no-skinny-gemm in one job) Qwen3-8B's batch-1
-# verify step with k = 2..8 drafts took 1.203-1.224x a plain step with it and 1.167-1.178x on
-# cuBLAS (k = 1: 1.154 / 1.162), although the kernel beat cuBLAS in isolation
-# (benchmarks/skinny_gemm_bench.py). Benchmarks switch it on before the engine captures its graphs.
-SKINNY_GEMM = False
-SKINNY_MAX_N = 8192
+# Whether linear layers take the skinny GEMM (kernels/skinny_gemm.py, launched without PDL) for
+# 2..16 rows. On: in one H200 job at `5a226ea` (benchmarks/spec_verify_bench.py, Qwen3-8B, batch 1)
+# verify steps with k = 1 / 2 / 4 drafts took 1.112 / 1.117 / 1.164x a plain step with it and
+# 1.133 / 1.140 / 1.189x on cuBLAS. Taking gate_up too (N = 24576) lost (1.124 / 1.132 / 1.179x),
+# hence N <= 8192. Benchmarks switch it (--skinny-gemm / --no-skinny-gemm) before graphs are captured.
+SKINNY_GEMM = True
 
 
 def _skinny_shape(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """With SKINNY_GEMM: 2..16 rows on a weight of the shapes the skinny GEMM beat cuBLAS on in
-    isolation (K >= 4096, N <= 8192: Qwen3-8B's qkv, o_proj and down on an H200)."""
+    """With SKINNY_GEMM: 2..16 rows on a weight of the shapes the skinny GEMM beat cuBLAS on
+    (K >= 4096, N <= 8192: Qwen3-8B's qkv, o_proj and down on an H200)."""
     if not SKINNY_GEMM:
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return 2 <= rows <= 16 and weight.shape[1] >= 4096 and weight.shape[0] <= SKINNY_MAX_N
+    return 2 <= rows <= 16 and weight.shape[1] >= 4096 and weight.shape[0] <= 8192
 
 
 class ReplicatedLinear(LinearBase):
