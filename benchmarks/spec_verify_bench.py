@@ -138,6 +138,9 @@ def main():
                              "engine's default), or on cuBLAS")
     parser.add_argument("--skinny-pdl", action=argparse.BooleanOptionalAction, default=False,
                         help="the skinny GEMM takes programmatic dependent launch too (skinny_gemm.PDL_LAUNCH)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the engine's context length, which sets the attention's KV split count "
+                             "(default: the context + k + 64; the engine's own default is the model's)")
     parser.add_argument("--verify-kv-splits", type=int, default=None,
                         help="split count of the verify graphs' decode attention (default: as the engine picks)")
     parser.add_argument("--programmatic-launch", action=argparse.BooleanOptionalAction, default=None,
@@ -150,7 +153,7 @@ def main():
     if args.verify_kv_splits:
         force_verify_kv_splits(args.verify_kv_splits)
     max_batch, max_k = max(args.batch_sizes), max(args.ks)
-    max_model_len = args.context_len + max_k + 64
+    max_model_len = args.max_model_len or args.context_len + max_k + 64
     llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=max_model_len,
               max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch * (1 + max_k)),
               programmatic_launch=args.programmatic_launch)
@@ -167,7 +170,7 @@ def main():
     print(f"{args.model}: backends {runner.backend_names}, skinny GEMM {'on' if args.skinny_gemm else 'off'} "
           f"(PDL {'on' if args.skinny_pdl else 'off'}), engine PDL {args.programmatic_launch}, "
           f"verify KV splits {args.verify_kv_splits or 'default'}, "
-          f"context {args.context_len}, "
+          f"context {args.context_len} of max_model_len {max_model_len}, "
           f"{args.iters} replays per figure (us)")
     print(f"{'batch':>5} {'k':>2} {'plain':>8} {'verify':>8} {'ratio':>6} {'eager':>8} {'sampler':>8} "
           f"{'rej.greedy':>10} {'rej.sampled':>11} {'step ratio':>10}")

@@ -92,7 +92,9 @@ def verify_drafts_greedy(logits: torch.Tensor, drafts: list[list[int]]) -> tuple
     for i, d in enumerate(drafts):
         padded[i, :len(d)] = d
     host = torch.from_numpy(np.concatenate([grid.ravel(), padded.ravel()]))
-    both = host.to(logits.device, non_blocking=False)
+    # Pinned and asynchronous: the host queues the argmax and the comparison behind the verify
+    # forward instead of waiting for it at a pageable upload and launching them afterwards.
+    both = (host.pin_memory() if logits.is_cuda else host).to(logits.device, non_blocking=True)
     grid_d = both[:grid.size].view(grid.shape)
     drafts_d = both[grid.size:].view(padded.shape)
     target = logits.argmax(dim=-1)[grid_d]  # the first maximum, as the plain sampler takes it
