@@ -20,6 +20,37 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None)
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), interpolated linearly between the two nearest ranks (as
+    numpy's default): the 50th is the median; of n <= 100 values the 99th lies between the two
+    largest, 1 - (n - 1) / 100 of the way to the max (of fewer than ten, 92% or more: the max,
+    near enough)."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(values: list[float], name: str) -> dict:
+    """`{name}_p50_s`, `_p99_s`, `_min_s`, `_max_s` of the per-iteration values."""
+    return {f"{name}_p50_s": percentile(values, 50), f"{name}_p99_s": percentile(values, 99),
+            f"{name}_min_s": min(values), f"{name}_max_s": max(values)}
+
+
+def few_iterations_warning(num_iters: int) -> str | None:
+    if num_iters >= 10:
+        return None
+    return (f"  warning: p99 of {num_iters} iteration{'s' if num_iters != 1 else ''} is the max, near enough; "
+            "pass --num-iters 10 or more for a tail")
+
+
+def _spread_line(label: str, stats: dict, name: str, digits: int) -> str:
+    ms = {k: stats[f"{name}_{k}_s"] * 1e3 for k in ("p50", "p99", "min", "max")}
+    return (f"  {label:<21} p50 {ms['p50']:.{digits}f}  p99 {ms['p99']:.{digits}f}  "
+            f"min {ms['min']:.{digits}f}  max {ms['max']:.{digits}f} ms")
+
+
 def _one_batch(engine, prompts, output_len, tag) -> tuple[float, list[float]]:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
@@ -72,6 +103,7 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
         "tpot_floor_ratio": floor_tpot / tpot, "decode_bound": decode.bound,
         "bandwidth_tb_s": rates.bandwidth_bytes_per_s / 1e12, "matmul_tflops": rates.matmul_flops_per_s / 1e12,
         "weight_bytes_per_step": step_bytes, "state_bytes_per_seq": state,
+        **summarize(ttfts, "ttft"), **summarize(tpots, "tpot"),
     }
     print(rates.describe())
     print(f"batch {args.batch_size}, input {args.input_len}, output {args.output_len}:")
@@ -80,6 +112,12 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
           f"{step_bytes / 1e9:.2f} GB weights + KV" + (f" + {2 * state * args.batch_size / 1e9:.2f} GB state"
                                                          if state else "") + " per step over the measured bandwidth)")
     print(f"  achieved / floor      {floor_tpot / tpot:9.1%}")
+    print(f"  over {args.num_iters} iteration{'s' if args.num_iters != 1 else ''}:")
+    print(_spread_line("time to first token", result, "ttft", 2))
+    print(_spread_line("decode per token", result, "tpot", 3))
+    warning = few_iterations_warning(args.num_iters)
+    if warning:
+        print(warning)
     spec = engine.scheduler.stats().spec_decode
     if spec is not None:  # counted over warm-up and measured iterations alike
         result.update(spec_acceptance_rate=spec.acceptance_rate, spec_mean_accepted_length=spec.mean_accepted_length,
