@@ -8,6 +8,7 @@ that follow from them. The memory plan, the allocation (cache_tensors.py), `GET 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from torch import nn
@@ -56,7 +57,7 @@ class CacheLayout:
     def bytes_per_slot(self) -> int:
         return sum(spec.bytes_per_slot for spec in self._specs(StateCacheSpec))
 
-    @property
+    @functools.cached_property  # read on every step; the layout never changes
     def has_state(self) -> bool:
         return bool(self._specs(StateCacheSpec))
 
