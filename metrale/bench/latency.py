@@ -8,6 +8,8 @@ import random
 import statistics
 import time
 
+import numpy as np
+
 from metrale.messages.sampling_params import SamplingParams
 
 
@@ -21,15 +23,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100), interpolated linearly between the two nearest ranks (as
-    numpy's default): the 50th is the median; of n <= 100 values the 99th lies between the two
-    largest, 1 - (n - 1) / 100 of the way to the max (of fewer than ten, 92% or more: the max,
-    near enough)."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    """The q-th percentile (0..100), numpy's linear interpolation between the nearest ranks: the
+    50th is the median; of fewer than ten values the 99th is 92% or more of the way to the max."""
+    return float(np.percentile(values, q))
 
 
 def summarize(values: list[float], name: str) -> dict:
