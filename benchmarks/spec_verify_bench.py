@@ -181,7 +181,7 @@ def main():
             continue
         fill(runner.graphs, batch, args.context_len, 1, blocks_per_seq, vocab)
         plain = device_us(runner.graphs.graphs[batch].replay, args.iters)
-        plain_logits = runner.graphs.logits[batch]
+        plain_logits = runner.graphs.outputs[batch].logits
         plain_rows = rows_of(batch, greedy, args.context_len)
         sampler = wall_us(lambda: sample_tokens(plain_logits, plain_rows), args.iters)
         plain_kernels = kernel_us(runner.graphs.graphs[batch].replay, 10) if args.profile and batch == 1 else None
@@ -194,7 +194,7 @@ def main():
                 print_kernel_diff(plain_kernels, kernel_us(graphs.graphs[batch].replay, 10), k)
             with torch.inference_mode(), runner.kernel_context():
                 eager = device_us(lambda: graphs._forward(batch), max(5, args.iters // 5))
-            logits = graphs.logits[batch]
+            logits = graphs.outputs[batch].logits
             drafts = [list(np.random.default_rng(i).integers(0, vocab, k)) for i in range(batch)]
             drafts = [[int(t) for t in d] for d in drafts]
             times = {}

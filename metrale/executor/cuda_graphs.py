@@ -20,6 +20,11 @@ take part: a model with another kind of cache (Gated DeltaNet state, DSA's index
 eagerly. Verify graphs are captured per batch size up to max_num_seqs rows in all (the logits the
 memory plan reserves), into the decode graphs' pool.
 
+A verify graph also computes the greedy rule on its drafts (the drafts are its own input ids:
+rejection_sampler.verify_greedy_padded), so a step whose rows are all greedy, with nothing that
+changes their logits, takes its tokens and accepted counts from the graph with no sampler work on
+the host (ModelRunner._verdict_settles). Its layout is built on the host and copied in whole.
+
 Prefill and mixed steps, and batches larger than the largest graph, run eagerly.
 """
 
@@ -27,11 +32,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from metrale.executor.rejection_sampler import verify_drafts
+from metrale.executor.rejection_sampler import verify_drafts, verify_greedy_padded
 from metrale.executor.sampler import SamplingRow
 from metrale.layers.forward_context import BatchLayout, set_forward_context
 from metrale.messages.sampling_params import SamplingParams
@@ -75,6 +82,43 @@ def fits_verify_graph(query_lens: list[int], seq_lens: list[int], num_sampled_ro
             and all(s > n for n, s in zip(query_lens, seq_lens)))
 
 
+class GraphOutputs(NamedTuple):
+    """What one captured graph computes, in its static output tensors."""
+
+    hidden: torch.Tensor  # [rows, hidden]: the trunk's final hidden states (what compute_logits read)
+    logits: torch.Tensor  # [rows, vocab]
+    # Verify graphs: int64 [2, batch], the greedy rule on every sequence's drafts (the token after
+    # the accepted drafts, how many were accepted: rejection_sampler.verify_greedy_padded).
+    verdict: torch.Tensor | None = None
+
+
+class Replayed:
+    """A replay's results for the step's own rows, in its row order. Gathered from the graph's
+    padded rows only when read: a verify step the greedy verdict settles never copies its logits."""
+
+    def __init__(self, outputs: GraphOutputs, rows: torch.Tensor | int, num_seqs: int):
+        """`rows`: the step's rows among the graph's (a device index), or a count: its rows are
+        the graph's first `rows`."""
+        self._outputs, self._rows, self.num_seqs = outputs, rows, num_seqs
+
+    def _take(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[:self._rows] if isinstance(self._rows, int) else tensor[self._rows]
+
+    @cached_property
+    def logits(self) -> torch.Tensor:
+        return self._take(self._outputs.logits)
+
+    @cached_property
+    def hidden(self) -> torch.Tensor:
+        return self._take(self._outputs.hidden)
+
+    @property
+    def verdict(self) -> torch.Tensor | None:
+        """int64 [2, num_seqs] (verify graphs; None for decode graphs): GraphOutputs.verdict."""
+        v = self._outputs.verdict
+        return v[:, :self.num_seqs] if v is not None else None
+
+
 class DecodeGraphs:
     """Graphs of steps whose sequences own `query_len` rows each: pure decode (1) or verify (1 + k)."""
 
@@ -87,22 +131,23 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.query_len = query_len
         n, rows, device = self.max_batch, self.max_batch * query_len, self.device
-        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
-        # The static BatchLayout every graph reads: a replay copies the step's layout in.
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        # The static BatchLayout every graph reads: a replay copies the step's layout in. The
+        # per-row and the per-sequence buffers are rows of one tensor each, so a step built on the
+        # host fills each in one copy (VerifyGraphs.run).
+        self.row_buffers = torch.zeros(3, rows, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.row_buffers.unbind(0)
+        self.slot_mapping.fill_(-1)
+        self.seq_buffers = torch.zeros(3, n, dtype=torch.int32, device=device)
+        self.seq_lens, self.real_query_lens, self.state_slots = self.seq_buffers.unbind(0)
+        self.real_query_lens.fill_(1)
+        self.state_slots.fill_(runner.padding_slot)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.real_query_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device) * query_len
-        self.state_slots = torch.full((n,), runner.padding_slot, dtype=torch.int32, device=device)
         self.has_initial_state = torch.ones(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        # The trunk's final hidden states of every row (what compute_logits read), per graph: a
-        # runner-side MTP drafter reads them after the replay (`run`'s `hidden`). Overwritten by
-        # the next replay, which the stream orders after every read enqueued before it.
-        self.hidden: dict[int, torch.Tensor] = {}
+        # Per graph, its outputs. Overwritten by the next replay, which the stream orders after
+        # every read enqueued before it (a runner-side MTP drafter reads `hidden` after the replay).
+        self.outputs: dict[int, GraphOutputs] = {}
         self.memory_bytes = 0
 
     def _layout(self, batch: int) -> BatchLayout:
@@ -115,12 +160,12 @@ class DecodeGraphs:
             query_lens_cpu=[q] * batch, seq_lens_cpu=[q] * batch, is_pure_decode=q == 1,
             uniform_query_len=q if q > 1 else 0, real_query_lens=self.real_query_lens[:batch] if q > 1 else None)
 
-    def _forward(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden states, logits) of every row of the graph of `batch` sequences."""
+    def _forward(self, batch: int) -> GraphOutputs:
+        """The outputs of every row of the graph of `batch` sequences."""
         layout = self._layout(batch)
         with set_forward_context(self.runner.forward_context(layout)):
             hidden = self.model(self.input_ids[:batch * self.query_len], layout.positions)
-        return hidden, self.model.compute_logits(hidden)
+        return GraphOutputs(hidden, self.model.compute_logits(hidden))
 
     @torch.inference_mode()
     def capture(self, pool=None):
@@ -131,7 +176,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.hidden[batch], self.logits[batch] = self._forward(batch)
+                self.outputs[batch] = self._forward(batch)
             pool = graph.pool() if pool is None else pool
             self.graphs[batch] = graph
         torch.cuda.synchronize(self.device)
@@ -148,8 +193,7 @@ class DecodeGraphs:
         for graph in self.graphs.values():
             graph.reset()
         self.graphs.clear()
-        self.logits.clear()
-        self.hidden.clear()
+        self.outputs.clear()
 
     def can_run(self, batch: int) -> bool:
         return batch <= self.max_batch
@@ -165,8 +209,9 @@ class DecodeGraphs:
             self.seq_lens[n:batch].fill_(0)
             self.state_slots[n:batch].fill_(self.runner.padding_slot)
 
-    def run(self, input_ids: torch.Tensor, layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [n, vocab], hidden states [n, hidden]) of a pure decode step of n sequences."""
+    def run(self, batch_inputs) -> Replayed:
+        """The logits and hidden states of a pure decode step of n sequences (executor.model_runner.BatchInputs)."""
+        input_ids, layout = batch_inputs.input_ids, batch_inputs.layout
         n = input_ids.shape[0]
         batch = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(input_ids)
@@ -176,7 +221,7 @@ class DecodeGraphs:
             self.slot_mapping[n:batch].fill_(-1)
         self._copy_sequences(layout, batch)
         self.graphs[batch].replay()
-        return self.logits[batch][:n], self.hidden[batch][:n]
+        return Replayed(self.outputs[batch], n, n)
 
 
 class VerifyGraphs(DecodeGraphs):
@@ -184,40 +229,60 @@ class VerifyGraphs(DecodeGraphs):
 
     kind = "verify"
 
+    def _forward(self, batch: int) -> GraphOutputs:
+        """As a decode graph's, with the greedy verdict on every sequence's drafts."""
+        out = super()._forward(batch)
+        logits = out.logits[:, :self.runner.sampled_vocab_size or out.logits.shape[1]]
+        verdict = verify_greedy_padded(logits, self.input_ids[:batch * self.query_len],
+                                       self.real_query_lens[:batch], self.query_len)
+        return out._replace(verdict=verdict)
+
     def warm_up_rejection_sampler(self) -> None:
         """Compile the rejection sampler's variants before the first request meets them: greedy
         rows read the LM head's logits as they are, sampled rows filtered fp32 ones, at the
         vocabulary the runner samples from."""
-        logits = self.logits[self.sizes[0]][:self.query_len]
+        logits = self.outputs[self.sizes[0]].logits[:self.query_len]
         logits = logits[:, :self.runner.sampled_vocab_size or logits.shape[1]].contiguous()
         drafts = [[0] * (self.query_len - 1)]
         for params in (SamplingParams(temperature=0), SamplingParams(temperature=1.0)):
             verify_drafts(logits, [SamplingRow(params, 0, [0], 1)], drafts)
         torch.cuda.synchronize(self.device)
 
-    def can_run_step(self, layout: BatchLayout, num_sampled_rows: int) -> bool:
-        return (layout.num_seqs <= self.max_batch
+    def can_run_step(self, batch_inputs, num_sampled_rows: int) -> bool:
+        layout = batch_inputs.layout
+        return (batch_inputs.host is not None and layout.num_seqs <= self.max_batch
                 and fits_verify_graph(layout.query_lens_cpu, layout.seq_lens_cpu, num_sampled_rows, self.query_len))
 
-    def run(self, input_ids: torch.Tensor, layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [num_tokens, vocab], hidden states [num_tokens, hidden]) of every row of a
-        verify step, in its ragged order."""
+    def run(self, batch_inputs) -> Replayed:
+        """The logits and hidden states of every row of a verify step, in its ragged order, and
+        the greedy verdict per sequence. Its layout is built on the host (batch_inputs.host) and
+        copied in whole: one upload of the rows' buffers, one of the sequences', the block tables."""
+        layout, host = batch_inputs.layout, batch_inputs.host
         n, q = layout.num_seqs, self.query_len
         batch = next(s for s in self.sizes if s >= n)
         placed = verify_rows(layout.query_lens_cpu, layout.seq_lens_cpu, q)
-        rows = self.runner._upload({"rows": placed.padded_rows, "positions": placed.positions,
-                                         "lens": np.asarray(layout.query_lens_cpu, dtype=np.int64)}, torch.int64)
-        self.input_ids[:batch * q].zero_()
-        self.input_ids[rows["rows"]] = input_ids
-        self.slot_mapping[:batch * q].fill_(-1)
-        self.slot_mapping[rows["rows"]] = layout.slot_mapping
-        self.positions[:n * q].copy_(rows["positions"])
-        self.positions[n * q:batch * q].zero_()
-        self.real_query_lens[:n].copy_(rows["lens"])
-        self.real_query_lens[n:batch].fill_(1)
-        self._copy_sequences(layout, batch)
+        row_buffers = torch.empty(self.row_buffers.shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        rows = row_buffers.numpy()
+        rows[:] = np.array([[0], [0], [-1]])  # dummy rows: token 0, their sequence's last position, no KV write
+        rows[0, placed.padded_rows] = host.input_ids
+        rows[1, :n * q] = placed.positions
+        rows[2, placed.padded_rows] = host.slot_mapping
+        seq_buffers = torch.empty(self.seq_buffers.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        seqs = seq_buffers.numpy()
+        seqs[:] = np.array([[0], [1], [self.runner.padding_slot]])  # padding sequences: no KV read, no owned state
+        seqs[0, :n] = layout.seq_lens_cpu
+        seqs[1, :n] = layout.query_lens_cpu
+        seqs[2, :n] = host.state_slots
+        self.row_buffers.copy_(row_buffers, non_blocking=True)
+        self.seq_buffers.copy_(seq_buffers, non_blocking=True)
+        width = layout.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(layout.block_tables)
         self.graphs[batch].replay()
-        return self.logits[batch][rows["rows"]], self.hidden[batch][rows["rows"]]
+        if n == batch and len(placed.padded_rows) == n * q:  # no dummy rows: the step's rows are the graph's
+            return Replayed(self.outputs[batch], n * q, n)
+        index = torch.from_numpy(placed.padded_rows)
+        index = (index.pin_memory() if self.device.type == "cuda" else index).to(self.device, non_blocking=True)
+        return Replayed(self.outputs[batch], index, n)
 
 
 class VerifyGraphSet:
@@ -246,9 +311,9 @@ class VerifyGraphSet:
         rows = max(layout.query_lens_cpu)
         return next((g for q, g in self.by_rows.items() if q >= rows and layout.num_seqs <= g.max_batch), None)
 
-    def can_run_step(self, layout: BatchLayout, num_sampled_rows: int) -> bool:
-        graphs = self._pick(layout)
-        return graphs is not None and graphs.can_run_step(layout, num_sampled_rows)
+    def can_run_step(self, batch_inputs, num_sampled_rows: int) -> bool:
+        graphs = self._pick(batch_inputs.layout)
+        return graphs is not None and graphs.can_run_step(batch_inputs, num_sampled_rows)
 
-    def run(self, input_ids: torch.Tensor, layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._pick(layout).run(input_ids, layout)
+    def run(self, batch_inputs) -> Replayed:
+        return self._pick(batch_inputs.layout).run(batch_inputs)

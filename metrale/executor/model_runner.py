@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,6 +38,9 @@ from metrale.messages.scheduler_output import PLACEHOLDER, ModelRunnerOutput, Ne
 from metrale.multimodal.encoder_cache import EncoderCache
 from metrale.structured.grammars import GrammarCache
 from metrale.structured.matchers import GrammarMatchers
+
+if TYPE_CHECKING:
+    from metrale.executor.cuda_graphs import Replayed
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +69,16 @@ class RunnerRequest:
 
 
 @dataclass
+class HostRows:
+    """A step's per-row and per-sequence inputs as the host built them (what a verify graph's
+    layout is filled from, executor/cuda_graphs.py)."""
+
+    input_ids: np.ndarray  # int64 [num_tokens]
+    slot_mapping: np.ndarray  # int64 [num_tokens]
+    state_slots: np.ndarray  # int64 [num_seqs]
+
+
+@dataclass
 class BatchInputs:
     input_ids: torch.Tensor
     layout: BatchLayout
@@ -79,10 +93,21 @@ class BatchInputs:
     chunk_next_ids: np.ndarray | None = None
     capacity: list[int] | None = None
     sampled_seq_index: list[int] | None = None  # each sampled request's sequence in the batch
+    # The host's copy of the inputs; None where an input id is a placeholder the device holds.
+    host: HostRows | None = None
     # `uses_mrope` models: int64 [3, T] positions (executor/multimodal_step.py); and the step's
     # placeholder rows with their encoder outputs, None without any.
     mrope_positions: torch.Tensor | None = None
     multimodal: object = None  # layers.vision.batch.MultiModalBatch
+
+
+@dataclass
+class EagerOutputs:
+    """An eager forward's results, read as a graph replay's (executor.cuda_graphs.Replayed)."""
+
+    logits: torch.Tensor | None  # [sampled rows, vocab]; None when no row is sampled
+    hidden: torch.Tensor  # [num_tokens, hidden]
+    verdict: None = None  # only a verify graph computes the greedy verdict
 
 
 class PendingOutput:
@@ -97,9 +122,12 @@ class PendingOutput:
         self.drafts = drafts  # a runner-side drafter's proposals for the next step, per sampled request
         self._result: ModelRunnerOutput | None = None
         self._host = self._event = None
-        if sampled is not None and sampled.tokens.is_cuda:
-            self._host = torch.empty(sampled.tokens.shape, dtype=torch.int64, pin_memory=True)
-            self._host.copy_(sampled.tokens, non_blocking=True)
+        if sampled is not None and sampled.tokens.is_cuda:  # the tokens, then the accepted counts: one wait
+            n = sampled.tokens.shape[0]
+            counts = verified.num_accepted if verified is not None else sampled.tokens[:0]
+            self._host = torch.empty(n + counts.shape[0], dtype=torch.int64, pin_memory=True)
+            self._host[:n].copy_(sampled.tokens, non_blocking=True)
+            self._host[n:].copy_(counts, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -108,13 +136,15 @@ class PendingOutput:
             return self._result
         out = ModelRunnerOutput()
         if self.sampled is not None:
+            n = len(self.request_ids)
             if self._event is not None:
                 self._event.synchronize()
-                tokens = self._host.tolist()
+                tokens, counts = self._host[:n].tolist(), self._host[n:].tolist()
             else:
                 tokens = self.sampled.tokens.tolist()
+                counts = self.verified.num_accepted.tolist() if self.verified is not None else []
             logprobs = self.sampled.logprobs(tokens)
-            accepted = self.verified.read() if self.verified is not None else {}
+            accepted = self.verified.read(counts) if self.verified is not None else {}
             for request_id, position, token, lp in zip(self.request_ids, self.positions, tokens, logprobs):
                 state = self.runner.requests.get(request_id)
                 if request_id in accepted:
@@ -140,8 +170,9 @@ class VerifiedDrafts:
     def __init__(self, drafts: dict[str, list[int]], num_accepted: torch.Tensor):
         self.drafts, self.num_accepted = drafts, num_accepted
 
-    def read(self) -> dict[str, tuple[list[int], int]]:
-        return {rid: (d, n) for (rid, d), n in zip(self.drafts.items(), self.num_accepted.tolist())}
+    def read(self, num_accepted: list[int]) -> dict[str, tuple[list[int], int]]:
+        """Each verified request's (drafts, number accepted), from num_accepted read to the host."""
+        return {rid: (d, n) for (rid, d), n in zip(self.drafts.items(), num_accepted)}
 
 
 class ModelRunner:
@@ -235,18 +266,18 @@ class ModelRunner:
             self.verify_graphs = VerifyGraphSet(self, max_num_seqs, num_speculative_tokens, max_blocks, max_model_len)
             self.verify_graphs.capture(pool)
 
-    def replay_graph(self, batch: "BatchInputs") -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(the logits of the step's sampled rows, the hidden states of all its rows) from a
-        captured graph, or None when no graph fits it: a pure decode step (one row per sequence)
-        or a verify step (decodes and drafts only, at most 1 + k rows per sequence; every row
-        sampled). Every row of such a step is sampled, so both are in the batch's row order."""
+    def replay_graph(self, batch: BatchInputs) -> Replayed | None:
+        """The step's outputs from a captured graph (the logits of its sampled rows, the hidden
+        states of all its rows), or None when no graph fits it: a pure decode step (one row per
+        sequence) or a verify step (decodes and drafts only, at most 1 + k rows per sequence;
+        every row sampled). Every row of such a step is sampled, so both are in the batch's row order."""
         num_tokens, layout = batch.input_ids.shape[0], batch.layout
         if (self.graphs is not None and layout.is_pure_decode
                 and len(batch.sampled_request_ids) == num_tokens and self.graphs.can_run(num_tokens)):
-            return self.graphs.run(batch.input_ids, layout)
+            return self.graphs.run(batch)
         if (self.verify_graphs is not None and batch.logits_rows is not None
-                and self.verify_graphs.can_run_step(layout, batch.logits_indices.shape[0])):
-            return self.verify_graphs.run(batch.input_ids, layout)
+                and self.verify_graphs.can_run_step(batch, batch.logits_indices.shape[0])):
+            return self.verify_graphs.run(batch)
         return None
 
     # -- the caches ----------------------------------------------------------------------------
@@ -360,9 +391,9 @@ class ModelRunner:
             wide["holes"] = holes
             wide["hole_rows"] = np.fromiter((self._last_rows[scheduled[i][0]] for i in seq_index[holes]),
                                             dtype=np.int64, count=holes.size)
+        state_slots = np.fromiter((st.state_slot for _, st, _ in scheduled), dtype=np.int64, count=num_seqs)
         narrow = {"tables": tables, "seq_lens": seq_lens, "query_start": query_start,
-                  "state_slots": np.fromiter((st.state_slot for _, st, _ in scheduled), dtype=np.int64,
-                                             count=num_seqs), "has_state": starts > 0}
+                  "state_slots": state_slots, "has_state": starts > 0}
         num_drafts = None
         if plan.draft_token_ids and self.layout.has_state:  # where the states after each draft go
             num_drafts = np.fromiter((len(plan.draft_token_ids.get(rid, ())) for rid, _, _ in scheduled),
@@ -383,7 +414,7 @@ class ModelRunner:
             layout.drafts = DraftStates(dev["num_drafts"], dev["draft_rows"], dev["drafted"], self.max_drafts,
                                         bool(starts.min() > 0 and (query_lens == 1 + num_drafts).all()))
         batch = BatchInputs(dev["input_ids"], layout, dev["logits_indices"], [scheduled[i][0] for i in sampled_rows],
-                            logits_rows)
+                            logits_rows, host=None if holes.size else HostRows(input_ids, slots, state_slots))
         if self.uses_mrope:
             batch.mrope_positions = torch.from_numpy(mrope_positions(scheduled, positions, seq_index)).to(self.device)
             batch.multimodal = multimodal_batch(self.model, self.encoder_cache, scheduled, starts, query_lens,
@@ -437,33 +468,41 @@ class ModelRunner:
         batch = self.prepare_inputs(plan)
         # The graphs give the logits and the final hidden states; a drafter that reads inner
         # layers' outputs too (DFlash: `hidden_layers`) needs the eager forward.
-        replayed = self.replay_graph(batch) if self.drafter is None or not self.drafter.hidden_layers else None
-        logits, hidden = replayed if replayed is not None else (None, None)
-        if replayed is None:
-            hidden = self.forward(batch)
-            logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sampled_request_ids else None
+        outputs = self.replay_graph(batch) if self.drafter is None or not self.drafter.hidden_layers else None
+        if outputs is None:
+            outputs = self._forward_eagerly(batch)
         self.caches.copy_slots(plan.state_saves)  # after the forward pass that computed the states
-        if logits is None:
+        if not batch.sampled_request_ids:
             if self.drafter is not None:  # a prefill chunk: the drafter fills its caches over it
-                self._draft(batch, hidden, None, None)
+                self._draft(batch, outputs.hidden, None, None)
             return PendingOutput(self, [], [], None)
-        if self.sampled_vocab_size is not None:
-            logits = logits[:, :self.sampled_vocab_size].contiguous()
         states = [self.requests[request_id] for request_id in batch.sampled_request_ids]
         verified = None
-        if plan.draft_token_ids:
-            sampled, verified = self._sample_and_verify(logits, batch, states, plan.draft_token_ids)
+        if plan.draft_token_ids and outputs.verdict is not None and self._verdict_settles(states):
+            sampled, verified = self._take_verdict(outputs.verdict, batch, states, plan.draft_token_ids)
         else:
-            sampled = sample_tokens(logits, [SamplingRow(st.sampling_params, st.seed, st.token_ids, st.num_prompt_tokens)
-                                             for st in states], self._token_bitmask(batch.sampled_request_ids, states))
+            logits = outputs.logits
+            if self.sampled_vocab_size is not None:
+                logits = logits[:, :self.sampled_vocab_size].contiguous()
+            if plan.draft_token_ids:
+                sampled, verified = self._sample_and_verify(logits, batch, states, plan.draft_token_ids)
+            else:
+                sampled = sample_tokens(logits, [SamplingRow(st.sampling_params, st.seed, st.token_ids,
+                                                             st.num_prompt_tokens) for st in states],
+                                        self._token_bitmask(batch.sampled_request_ids, states))
         positions = []
         for state in states:
             positions.append(len(state.token_ids))
             state.token_ids.append(PLACEHOLDER)
         self._last_tokens = sampled.tokens
         self._last_rows = {request_id: row for row, request_id in enumerate(batch.sampled_request_ids)}
-        drafts = self._draft(batch, hidden, sampled, verified) if self.drafter is not None else None
+        drafts = self._draft(batch, outputs.hidden, sampled, verified) if self.drafter is not None else None
         return PendingOutput(self, batch.sampled_request_ids, positions, sampled, verified, drafts)
+
+    def _forward_eagerly(self, batch: BatchInputs) -> EagerOutputs:
+        hidden = self.forward(batch)
+        logits = self.model.compute_logits(hidden[batch.logits_indices]) if batch.sampled_request_ids else None
+        return EagerOutputs(logits, hidden)
 
     def _draft(self, batch: BatchInputs, hidden: torch.Tensor, sampled: SampledTokens | None,
                verified: "VerifiedDrafts | None") -> DraftOutput:
@@ -502,17 +541,31 @@ class ModelRunner:
         q = self._draft_probs.get(request_id)
         return q[:num_drafts] if q is not None else None
 
+    def _verdict_settles(self, states: list[RunnerRequest]) -> bool:
+        """Whether a verify graph's greedy verdict is every row's token: each is greedy with
+        nothing that changes its logits, and none asks for logprobs or follows a grammar."""
+        return all(st.sampling_params.greedy and not st.sampling_params.changes_logits
+                   and st.sampling_params.logprobs is None and st.sampling_params.structured_outputs is None
+                   for st in states)
+
+    def _take_verdict(self, verdict: torch.Tensor, batch: BatchInputs, states: list[RunnerRequest],
+                      drafts: dict[str, list[int]]) -> tuple[SampledTokens, VerifiedDrafts]:
+        """_sample_and_verify's result from a verify graph's verdict ([2, num_seqs]: the token, the
+        drafts accepted; a request without drafts accepts none, so its token is plain greedy's)."""
+        ids = batch.sampled_request_ids
+        spec = [i for i, rid in enumerate(ids) if rid in drafts]
+        num_accepted = verdict[1] if len(spec) == len(ids) else verdict[1][spec]
+        rows = self._rows_without_drafts(ids, states, drafts)
+        return self._verified(verdict[0], num_accepted, batch, rows, spec, drafts)
+
     def _sample_and_verify(self, logits: torch.Tensor, batch: BatchInputs, states: list[RunnerRequest],
                            drafts: dict[str, list[int]]) -> tuple[SampledTokens, VerifiedDrafts]:
         """A batch with drafts: plain rows through the sampler, drafted ones through the rejection
-        sampler; one token per request, in batch order. Drafted requests' runner tokens lose the
-        drafts again (the result puts back the accepted ones)."""
+        sampler; one token per request, in batch order."""
         ids = batch.sampled_request_ids
         plain = [i for i, rid in enumerate(ids) if rid not in drafts]
         spec = [i for i, rid in enumerate(ids) if rid in drafts]
-        for i in spec:
-            del states[i].token_ids[-len(drafts[ids[i]]):]
-        rows = [SamplingRow(st.sampling_params, st.seed, st.token_ids, st.num_prompt_tokens) for st in states]
+        rows = self._rows_without_drafts(ids, states, drafts)
         plain_sampled = None
         if plain:
             tokens = torch.empty(len(ids), dtype=torch.int64, device=logits.device)
@@ -529,6 +582,25 @@ class ModelRunner:
             tokens[spec] = spec_tokens
         else:
             tokens = spec_tokens
+        return self._verified(tokens, num_accepted, batch, rows, spec, drafts, plain_sampled, plain)
+
+    @staticmethod
+    def _rows_without_drafts(ids: list[str], states: list[RunnerRequest],
+                             drafts: dict[str, list[int]]) -> list[SamplingRow]:
+        """The sampling rows of a verify step's requests, whose runner tokens lose the step's
+        drafts again (the result puts back the accepted ones)."""
+        for rid, state in zip(ids, states):
+            if drafts.get(rid):
+                del state.token_ids[-len(drafts[rid]):]
+        return [SamplingRow(st.sampling_params, st.seed, st.token_ids, st.num_prompt_tokens) for st in states]
+
+    def _verified(self, tokens: torch.Tensor, num_accepted: torch.Tensor, batch: BatchInputs,
+                  rows: list[SamplingRow], spec: list[int], drafts: dict[str, list[int]],
+                  plain_sampled: SampledTokens | None = None,
+                  plain: list[int] = ()) -> tuple[SampledTokens, VerifiedDrafts]:
+        """A verify step's result: its tokens (one per request, batch order) and the drafted
+        requests' accepted counts (spec's order)."""
+        ids = batch.sampled_request_ids
         kept = batch.layout.drafts
         if kept is not None:  # the linear-attention state of the last accepted position (drafted: spec's order)
             self.caches.keep_accepted_states(batch.layout.state_slots[kept.drafted], kept.state_rows[kept.drafted],

@@ -26,7 +26,8 @@ stream key (seed, output index).
   takes q: a step with any q runs it (the Triton kernel takes point masses).
 
 Greedy requests whose logits nothing changes take `verify_drafts_greedy` on every device (an
-argmax and a comparison). Otherwise `verify_drafts` is the PyTorch reference (on the logits'
+argmax and a comparison); a verify CUDA graph computes the same rule on its padded rows
+(`verify_greedy_padded`), and a step whose rows are all such greedy rows takes the graph's result. Otherwise `verify_drafts` is the PyTorch reference (on the logits'
 device, no host sync) where the kernels' path is the reference (CPU, `--forward reference`);
 elsewhere the same rule runs in the Triton
 kernel (kernels/rejection_sampling.py) after the sampler's own penalties and filters per position.
@@ -100,6 +101,22 @@ def verify_drafts_greedy(logits: torch.Tensor, drafts: list[list[int]]) -> tuple
     target = logits.argmax(dim=-1)[grid_d]  # the first maximum, as the plain sampler takes it
     accepted = (target[:, :-1] == drafts_d).long().cumprod(dim=1).sum(dim=1)
     return accepted, target.gather(1, accepted[:, None]).squeeze(1)
+
+
+def verify_greedy_padded(logits: torch.Tensor, input_ids: torch.Tensor, real_query_lens: torch.Tensor,
+                         query_len: int) -> torch.Tensor:
+    """The greedy rule on a verify graph's padded rows, with no host input (so the graph computes
+    it): sequence i owns rows i*q .. i*q+q-1 of `logits` [B*q, vocab] and `input_ids` [B*q], the
+    first real_query_lens[i] of them real (its last token, then its drafts). Draft j of sequence i
+    is input_ids[i*q + 1 + j]; it is a draft only for j < real_query_lens[i] - 1. Returns int64
+    [2, B]: the token after the accepted drafts, and the number accepted (what verify_drafts_greedy
+    gives for the same drafts)."""
+    batch = real_query_lens.shape[0]
+    target = logits.argmax(dim=-1).view(batch, query_len)  # the first maximum, as the plain sampler takes it
+    drafts = input_ids.view(batch, query_len)[:, 1:]
+    is_draft = torch.arange(query_len - 1, device=logits.device)[None, :] < (real_query_lens[:, None] - 1)
+    accepted = ((target[:, :-1] == drafts) & is_draft).long().cumprod(dim=1).sum(dim=1)
+    return torch.stack([target.gather(1, accepted[:, None]).squeeze(1), accepted])
 
 
 def verify_drafts_triton(logits: torch.Tensor, rows: list[SamplingRow],

@@ -59,8 +59,12 @@ def test_a_step_takes_the_smallest_verify_graph_that_holds_it():
     assert graphs._pick(_layout([2, 1, 2], [9, 5, 7])) is graphs.by_rows[2]  # one draft at most: 2 rows
     assert graphs._pick(_layout([4, 1], [9, 5])) is graphs.by_rows[4]
     assert graphs._pick(_layout([2] * 6, [9] * 6)) is graphs.by_rows[2]  # 6 sequences: only q = 2 has 8
-    assert graphs._pick(_layout([3] * 6, [9] * 6)) is None and not graphs.can_run_step(_layout([3] * 6, [9] * 6), 18)
-    assert graphs.can_run_step(_layout([3, 1], [9, 5]), 4)
+    step = SimpleNamespace(layout=_layout([3] * 6, [9] * 6), host=SimpleNamespace())
+    assert graphs._pick(step.layout) is None and not graphs.can_run_step(step, 18)
+    step = SimpleNamespace(layout=_layout([3, 1], [9, 5]), host=SimpleNamespace())
+    assert graphs.can_run_step(step, 4)
+    step.host = None  # an input id the device holds (a placeholder): the layout cannot be built on the host
+    assert not graphs.can_run_step(step, 4)
 
 
 def test_mla_verify_row_map():
@@ -86,7 +90,6 @@ class EagerVerifyGraphs(VerifyGraphs):
     def capture(self, pool=None):
         for batch in self.sizes:
             self.graphs[batch] = _EagerReplay(self, batch)
-            self.logits[batch] = self.hidden[batch] = None
         return pool
 
 
@@ -97,7 +100,7 @@ class _EagerReplay:
 
     def replay(self):
         self.replays += 1
-        self.graphs.hidden[self.batch], self.graphs.logits[self.batch] = self.graphs._forward(self.batch)
+        self.graphs.outputs[self.batch] = self.graphs._forward(self.batch)
 
 
 def _with_triton_backends(llm):
@@ -144,3 +147,70 @@ def test_verify_graph_steps_give_plain_greedy_tokens(family, spec, checkpoint_fa
         eager = _with_triton_backends(LLM(path, speculative_config=spec, **kwargs))
         assert _tokens(eager) == plain
         assert eager.llm_engine.scheduler.spec_stats == llm.llm_engine.scheduler.spec_stats
+
+
+def test_the_greedy_verdict_on_padded_rows_is_the_greedy_rule():
+    from metrale.executor.rejection_sampler import verify_drafts_greedy, verify_greedy_padded
+
+    torch.manual_seed(0)
+    q, vocab = 4, 7
+    lens = [4, 1, 3, 2, 4]  # real rows of each sequence: its last token and len - 1 drafts
+    logits = torch.randn(len(lens) * q, vocab)
+    input_ids = torch.randint(0, vocab, (len(lens) * q,))
+    target = logits.argmax(dim=-1)
+    input_ids[1:3] = target[0:2]  # sequence 0: its first two drafts are the argmax, its third is not
+    input_ids[3] = (target[2] + 1) % vocab
+    input_ids[13:15] = target[12:14]  # sequence 3: its one draft is accepted (row 14 is a dummy row)
+    input_ids[17:20] = target[16:19]  # sequence 4: all three accepted, the bonus token after them
+    verdict = verify_greedy_padded(logits, input_ids, torch.tensor(lens, dtype=torch.int32), q)
+    real = [i * q + t for i, n in enumerate(lens) for t in range(n)]
+    drafts = [input_ids[i * q + 1:i * q + n].tolist() for i, n in enumerate(lens)]
+    accepted, tokens = verify_drafts_greedy(logits[real], drafts)
+    assert verdict[1].tolist() == accepted.tolist() == [2, 0, accepted[2].item(), 1, 3]
+    assert verdict[0].tolist() == tokens.tolist()
+    assert verdict[0, 4] == target[19]
+
+
+def _count_calls(monkeypatch, obj, name):
+    calls = []
+    original = getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, counted)
+    return calls
+
+
+@pytest.mark.skipif(not (HAS_TRITON and interpret_mode()), reason="needs triton's CPU interpreter")
+def test_verify_graph_steps_take_the_greedy_verdict_and_sampled_rows_their_logits(checkpoint_factory,
+                                                                                 monkeypatch):
+    """All-greedy verify steps take the graph's verdict (no rejection sampler on the host); a step
+    with a sampled row reads the graph's logits instead, and gives the eager verify steps' tokens."""
+    path = checkpoint_factory("llama")
+    kwargs = dict(dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=4)
+
+    def engine(graphs: bool):
+        llm = _with_triton_backends(LLM(path, speculative_config=SPEC, **kwargs))
+        runner = llm.llm_engine.runner
+        if graphs:
+            max_model_len = llm.llm_engine.model_config.max_model_len
+            runner.verify_graphs = EagerVerifyGraphs(runner, [1, 2, 4], -(-max_model_len // runner.block_size),
+                                                     max_model_len, 1 + SPEC["num_speculative_tokens"])
+            runner.verify_graphs.capture()
+        return llm, runner
+
+    llm, runner = engine(graphs=True)
+    verdicts = _count_calls(monkeypatch, runner, "_take_verdict")
+    rejections = _count_calls(monkeypatch, runner, "_sample_and_verify")
+    assert _tokens(llm) == _tokens(LLM(path, **kwargs))
+    replays = sum(g.replays for g in runner.verify_graphs.graphs.values())
+    assert replays > 0 and len(verdicts) == replays and not rejections
+
+    mixed = [GREEDY, SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)]  # [200] drafts
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, mixed, use_tqdm=False)]
+    assert len(rejections) > 0
+    eager, _ = engine(graphs=False)
+    assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, mixed, use_tqdm=False)]
