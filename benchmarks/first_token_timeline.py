@@ -116,6 +116,8 @@ def main():
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=None,
                         help="gc.freeze() after startup (default: the engine's own choice)")
+    parser.add_argument("--host-profile", type=int, default=0,
+                        help="then one more iteration under cProfile: its N functions of most own time")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     llm = LLM(args.model, load_format=args.load_format, skip_tokenizer_init=True, max_model_len=args.max_model_len,
@@ -172,6 +174,23 @@ def main():
     if prefill:
         print(f"  {'device span, longest step':<26} median {statistics.median(prefill) * 1e3:7.2f} ms  "
               f"max {max(prefill) * 1e3:7.2f}")
+    if args.host_profile:
+        import cProfile
+        import pstats
+
+        prompt = [rng.randrange(vocab) for _ in range(args.input_len)]
+        sync()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        engine.add_request("profiled", {"prompt_token_ids": prompt}, params)
+        while not engine.step():
+            pass
+        profiler.disable()
+        while engine.has_unfinished_requests():
+            engine.step()
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("tottime").print_stats(args.host_profile)
+        stats.sort_stats("cumulative").print_stats(args.host_profile)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"model": args.model, "input_len": args.input_len, "async": engine.async_scheduling,
