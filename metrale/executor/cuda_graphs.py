@@ -260,13 +260,15 @@ class VerifyGraphs(DecodeGraphs):
         layout, host = batch_inputs.layout, batch_inputs.host
         n, q = layout.num_seqs, self.query_len
         batch = next(s for s in self.sizes if s >= n)
-        placed = verify_rows(layout.query_lens_cpu, layout.seq_lens_cpu, q)
         row_buffers = torch.empty(self.row_buffers.shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         rows = row_buffers.numpy()
         rows[:] = np.array([[0], [0], [-1]])  # dummy rows: token 0, their sequence's last position, no KV write
-        rows[0, placed.padded_rows] = host.input_ids
-        rows[1, :n * q] = placed.positions
-        rows[2, placed.padded_rows] = host.slot_mapping
+        full = host.input_ids.shape[0] == n * q  # every sequence has q real rows: no dummy rows among them
+        placed = None if full else verify_rows(layout.query_lens_cpu, layout.seq_lens_cpu, q)
+        real = slice(0, n * q) if full else placed.padded_rows
+        rows[0, real] = host.input_ids
+        rows[1, :n * q] = host.positions if full else placed.positions
+        rows[2, real] = host.slot_mapping
         seq_buffers = torch.empty(self.seq_buffers.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         seqs = seq_buffers.numpy()
         seqs[:] = np.array([[0], [1], [self.runner.padding_slot]])  # padding sequences: no KV read, no owned state
@@ -278,7 +280,7 @@ class VerifyGraphs(DecodeGraphs):
         width = layout.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(layout.block_tables)
         self.graphs[batch].replay()
-        if n == batch and len(placed.padded_rows) == n * q:  # no dummy rows: the step's rows are the graph's
+        if full:  # the step's rows are the graph's first n * q
             return Replayed(self.outputs[batch], n * q, n)
         index = torch.from_numpy(placed.padded_rows)
         index = (index.pin_memory() if self.device.type == "cuda" else index).to(self.device, non_blocking=True)

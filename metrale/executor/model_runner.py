@@ -74,6 +74,7 @@ class HostRows:
     layout is filled from, executor/cuda_graphs.py)."""
 
     input_ids: np.ndarray  # int64 [num_tokens]
+    positions: np.ndarray  # int64 [num_tokens]
     slot_mapping: np.ndarray  # int64 [num_tokens]
     state_slots: np.ndarray  # int64 [num_seqs]
 
@@ -414,7 +415,7 @@ class ModelRunner:
             layout.drafts = DraftStates(dev["num_drafts"], dev["draft_rows"], dev["drafted"], self.max_drafts,
                                         bool(starts.min() > 0 and (query_lens == 1 + num_drafts).all()))
         batch = BatchInputs(dev["input_ids"], layout, dev["logits_indices"], [scheduled[i][0] for i in sampled_rows],
-                            logits_rows, host=None if holes.size else HostRows(input_ids, slots, state_slots))
+                            logits_rows, host=None if holes.size else HostRows(input_ids, positions, slots, state_slots))
         if self.uses_mrope:
             batch.mrope_positions = torch.from_numpy(mrope_positions(scheduled, positions, seq_index)).to(self.device)
             batch.multimodal = multimodal_batch(self.model, self.encoder_cache, scheduled, starts, query_lens,

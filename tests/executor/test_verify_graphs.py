@@ -207,6 +207,11 @@ def test_verify_graph_steps_take_the_greedy_verdict_and_sampled_rows_their_logit
     assert _tokens(llm) == _tokens(LLM(path, **kwargs))
     replays = sum(g.replays for g in runner.verify_graphs.graphs.values())
     assert replays > 0 and len(verdicts) == replays and not rejections
+    # One request alone, always drafting: steps with no dummy rows (the graph's rows are the step's)
+    alone = [{"prompt_token_ids": PROMPTS[0]}]
+    assert ([o.outputs[0].token_ids for o in llm.generate(alone, GREEDY, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in LLM(path, **kwargs).generate(alone, GREEDY, use_tqdm=False)])
+    assert sum(g.replays for g in runner.verify_graphs.graphs.values()) > replays
 
     mixed = [GREEDY, SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)]  # [200] drafts
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
