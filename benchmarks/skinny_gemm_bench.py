@@ -6,7 +6,7 @@ its weight from HBM, as a decoder layer does), per call; bandwidth as a share of
 device-to-device copy. Prints a markdown table and, per shape and M, the fastest kernel and
 skinny config; writes no files.
 
-    PYTHONPATH=. python3 benchmarks/skinny_gemm_bench.py [--m 2,3,5,8,16] [--default-only] [--split-ks 1,2,4]
+    PYTHONPATH=. python3 benchmarks/skinny_gemm_bench.py [--m 2,3,5,8,16] [--default-only]
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--default-only", action="store_true")
-    parser.add_argument("--split-ks", default="1,2,4",
-                        help="split-K counts each config is tried with (1: no split)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("skinny_gemm_bench.py needs a CUDA GPU; nothing measured.", file=sys.stderr)
@@ -66,7 +64,6 @@ def main() -> int:
             results = {}
             if M >= 2:
                 configs = [default] + ([] if args.default_only else [SkinnyConfig(*c) for c in GRID])
-                configs = [c._replace(split_k=int(k)) for c in configs for k in args.split_ks.split(",")]
                 for c in dict.fromkeys(configs):
                     kw = c._asdict()
                     try:
@@ -79,10 +76,6 @@ def main() -> int:
             best = min(results, key=results.get) if results else None
             best_s = f"{results[best]:.2f} ({'/'.join(map(str, best))})" if best else "-"
             default_s = f"{results[default]:.2f}" if default in results else "-"
-            for k in sorted({c.split_k for c in results}):
-                of_k = {c: t for c, t in results.items() if c.split_k == k}
-                c = min(of_k, key=of_k.get)
-                print(f"  {name} M={M} split_k={k}: best {of_k[c]:.2f} us ({'/'.join(map(str, c))})", file=sys.stderr)
             overall = min([cublas, gemv if M <= 4 else float("inf")] + ([results[best]] if best else []))
             print(f"| {name} {N}x{K} | {M} | {floor:.1f} | {cublas:.2f} | {gemv:.2f} | {default_s} | {best_s} | "
                   f"{floor / overall:.0%} |", flush=True)

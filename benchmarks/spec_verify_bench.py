@@ -136,8 +136,6 @@ def main():
     parser.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=linear.SKINNY_GEMM,
                         help="linear layers of 2..16 rows on the skinny GEMM where the layer picks it (the "
                              "engine's default), or on cuBLAS")
-    parser.add_argument("--skinny-split-k", type=int, default=None,
-                        help="the skinny GEMM's split-K count for every shape (skinny_gemm.SPLIT_K; default: the kernel's)")
     parser.add_argument("--skinny-pdl", action=argparse.BooleanOptionalAction, default=False,
                         help="the skinny GEMM takes programmatic dependent launch too (skinny_gemm.PDL_LAUNCH)")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -152,8 +150,6 @@ def main():
     args = parser.parse_args()
     linear.SKINNY_GEMM = args.skinny_gemm  # before the engine captures its graphs
     skinny_gemm.PDL_LAUNCH = args.skinny_pdl
-    if args.skinny_split_k:
-        skinny_gemm.SPLIT_K = args.skinny_split_k
     if args.verify_kv_splits:
         force_verify_kv_splits(args.verify_kv_splits)
     max_batch, max_k = max(args.batch_sizes), max(args.ks)
@@ -172,7 +168,7 @@ def main():
     max_blocks = -(-max_model_len // bs)
     greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9)
     print(f"{args.model}: backends {runner.backend_names}, skinny GEMM {'on' if args.skinny_gemm else 'off'} "
-          f"(PDL {'on' if args.skinny_pdl else 'off'}, split-K {skinny_gemm.SPLIT_K}), engine PDL {args.programmatic_launch}, "
+          f"(PDL {'on' if args.skinny_pdl else 'off'}), engine PDL {args.programmatic_launch}, "
           f"verify KV splits {args.verify_kv_splits or 'default'}, "
           f"context {args.context_len} of max_model_len {max_model_len}, "
           f"{args.iters} replays per figure (us)")

@@ -8,20 +8,14 @@ weight at 60-80% of the bandwidth on Qwen3-8B's projections. Contract:
     dtype for all, bf16/fp16/fp32. y [M, N] is a new tensor of x's dtype.
   * Products and sums in fp32 (fp32 inputs use IEEE fp32 dots, never TF32), y rounded once after
     the bias add.
-  * Deterministic: the launch config is a pure function of (M, N, K, dtype) (`skinny_config`),
-    and a split-K config sums its splits' fp32 partials in split order (the tile's last split
-    to finish does it, whichever that is), so results are bitwise identical from run to run.
+  * Deterministic: no split-K, no atomics; the launch config is a pure function of (M, N, K,
+    dtype) (`skinny_config`), so results are bitwise identical from run to run.
 
 Design ("swap AB"): program i owns output columns [i*BLOCK_N, (i+1)*BLOCK_N) (weight rows) for all
 M rows. It streams its weight rows over K in BLOCK_K chunks through a cp.async ring of
 NUM_STAGES buffers and accumulates tl.dot(w [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16]) in fp32: x's
 rows past M are loaded as zeros, so the tensor cores do the M rows' work at no extra weight
 traffic. Weight rows past N re-read row N-1 (loads stay unmasked) and are dropped at the store.
-
-Split-K (`split_k` > 1): programs (i, s) each stream 1/split_k of K for column block i, so a
-small weight (o_proj's 4096 x 4096) has split_k times the programs in flight. Each stores its
-fp32 partial to a workspace and bumps the tile's counter; the last to arrive sums the partials
-in split order and writes y (no second launch).
 """
 
 from __future__ import annotations
@@ -50,12 +44,6 @@ class SkinnyConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
-    split_k: int = 1  # programs per column block, each over a contiguous 1/split_k of K
-
-
-# The split-K count every shape takes unless its config names one (a benchmark switch:
-# spec_verify_bench.py --skinny-split-k); 1 = no split.
-SPLIT_K = 1
 
 
 def skinny_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> SkinnyConfig:
@@ -66,32 +54,28 @@ def skinny_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -
     27.8 vs 30.2; gate_up 24576 x 4096: 50.0, cuBLAS's 49.8)."""
     block_k = min(256 if dtype.itemsize <= 2 else 128, max(16, triton.next_power_of_2(K)))
     if 4096 < N <= 8192:
-        return SkinnyConfig(block_n=16, block_k=block_k, num_warps=2, num_stages=4, split_k=SPLIT_K)
-    return SkinnyConfig(block_n=32, block_k=block_k, num_warps=4, num_stages=4, split_k=SPLIT_K)
+        return SkinnyConfig(block_n=16, block_k=block_k, num_warps=2, num_stages=4)
+    return SkinnyConfig(block_n=32, block_k=block_k, num_warps=4, num_stages=4)
 
 
 @triton.jit
 def _skinny_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, partial_ptr, count_ptr,
-    M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     mmask = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
-    k_begin = split * K_PER_SPLIT  # a multiple of BLOCK_K
-    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     xt_ptrs = x_ptr + offs_k[:, None] + offs_m[None, :] * stride_xm  # x^T [BLOCK_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     pdl_wait(PDL)  # x comes from the previous kernel
-    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
             w = tl.load(w_ptrs + k0)
             xt = tl.load(xt_ptrs + k0, mask=mmask[None, :], other=0.0)
@@ -105,50 +89,15 @@ def _skinny_kernel(
             acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
         else:
             acc += tl.dot(w, xt)
-    if SPLIT_K > 1:
-        # Each split stores its fp32 partial; the tile's last split to finish (the counter's
-        # acq_rel increment orders the stores before it) sums all of them in split order, so the
-        # result does not depend on which finished last, writes y and resets the counter for the
-        # next call.
-        tile_ptrs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
-        part = partial_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M)
-        tl.store(part + split * (BLOCK_N * BLOCK_M) + tile_ptrs, acc)
-        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
-            acc = tl.load(part + tile_ptrs, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                acc += tl.load(part + s * (BLOCK_N * BLOCK_M) + tile_ptrs, cache_modifier=".cg")
-            tl.store(count_ptr + tile, 0)
-            _store_tile(acc, b_ptr, y_ptr, rows, offs_n, offs_m, mmask, N, stride_ym, HAS_BIAS)
-    else:
-        _store_tile(acc, b_ptr, y_ptr, rows, offs_n, offs_m, mmask, N, stride_ym, HAS_BIAS)
-
-
-@triton.jit
-def _store_tile(acc, b_ptr, y_ptr, rows, offs_n, offs_m, mmask, N, stride_ym, HAS_BIAS: tl.constexpr):
-    """y's tile (+ bias), rounded once; rows past N and M dropped."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & mmask[None, :])
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per column tile, shared by every split-K call on the device:
-    calls on one stream run one after another, and each call's last splits reset theirs."""
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < tiles:
-        counters = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-        _counters[device] = counters
-    return counters
-
-
 def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                        block_n: int | None = None, block_k: int | None = None,
-                       num_warps: int | None = None, num_stages: int | None = None,
-                       split_k: int | None = None) -> torch.Tensor:
+                       num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16) @ weight[N, K].T (+ bias[N]) -> [M, N] in x's dtype, always via Triton.
     The keyword overrides replace fields of `skinny_config` (for benchmarks)."""
     x, bias, y, done = linear_operands(x, weight, bias, MAX_M, "skinny_gemm")
@@ -157,22 +106,13 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     (M, K), N = x.shape, weight.shape[0]
     cfg = skinny_config(M, N, K, x.dtype)
     cfg = SkinnyConfig(block_n or cfg.block_n, block_k or cfg.block_k, num_warps or cfg.num_warps,
-                       num_stages or cfg.num_stages, split_k or cfg.split_k)
-    tiles = triton.cdiv(N, cfg.block_n)
-    # Each split's share of K, whole chunks: the last split may get fewer (or none).
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    split_k = triton.cdiv(K, k_per_split)
-    if split_k > 1:
-        partial = torch.empty(tiles * split_k * cfg.block_n * _BLOCK_M, dtype=torch.float32, device=x.device)
-        counters = _tile_counters(x.device, tiles)
-    else:
-        partial = counters = y  # unused
-    _skinny_kernel[(tiles, split_k)](
-        x, weight, bias if bias is not None else y, y, partial, counters,
-        M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+                       num_stages or cfg.num_stages)
+    _skinny_kernel[(triton.cdiv(N, cfg.block_n),)](
+        x, weight, bias if bias is not None else y, y,
+        M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
         INTERPRET=interpret_mode(),
-        BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, SPLIT_K=split_k,
+        BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(pdl_args() if PDL_LAUNCH else {"PDL": False}),
     )
     return y

@@ -16,8 +16,6 @@ from test_gemv import TOL, _inputs  # the GEMV's tolerances and random operands
     (2, 37, 100, True, {}),                                  # partial row block, a K tail
     (5, 48, 64, False, dict(block_k=32)),                    # K a multiple of the chunk: no mask
     (16, 21, 80, True, dict(block_k=32, num_stages=2)),      # every padded row real
-    (5, 37, 160, True, dict(block_k=32, split_k=2)),         # split-K: 2 splits of 3 chunks (and a K tail)
-    (3, 48, 128, False, dict(block_k=32, split_k=3)),        # 3 asked of 4 chunks: 2 splits of 2
 ])
 def test_skinny_gemm_matches_linear(device, dtype, M, N, K, bias, overrides):
     x, w, b = _inputs(device, dtype, M, N, K, bias)
@@ -39,16 +37,6 @@ def test_skinny_gemm_strided_rows_and_dispatch(device):
     torch.testing.assert_close(skinny_gemm(big, w), F.linear(big, w))
 
 
-def test_split_k_counters_are_reset_for_the_next_call(device):
-    from metrale.kernels.skinny_gemm import _counters
-
-    x, w, b = _inputs(device, torch.float32, 4, 70, 256, True)
-    first = skinny_gemm_triton(x, w, b, block_k=32, split_k=4)
-    assert int(_counters[torch.device(device)].abs().sum()) == 0
-    torch.testing.assert_close(first, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    assert torch.equal(skinny_gemm_triton(x, w, b, block_k=32, split_k=4), first)
-
-
 def test_skinny_config_is_a_function_of_the_shape():
     assert skinny_config(4, 6144, 4096) == skinny_config(4, 6144, 4096)
     assert skinny_config(2, 64, 40).block_k == 64  # capped at K rounded up
@@ -57,12 +45,9 @@ def test_skinny_config_is_a_function_of_the_shape():
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [2, 5, 16])
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 12288)])
-@pytest.mark.parametrize("split_k", [1, 4])
-def test_skinny_gemm_gpu_shapes(M, N, K, split_k):
+def test_skinny_gemm_gpu_shapes(M, N, K):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     x, w, _ = _inputs("cuda", torch.bfloat16, M, N, K, False)
     ref = (x.float() @ w.float().t())
-    y = skinny_gemm_triton(x, w, split_k=split_k)
-    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
-    assert torch.equal(y, skinny_gemm_triton(x, w, split_k=split_k))
+    torch.testing.assert_close(skinny_gemm_triton(x, w).float(), ref, rtol=2e-2, atol=2e-2)
