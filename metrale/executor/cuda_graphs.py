@@ -25,7 +25,17 @@ rejection_sampler.verify_greedy_padded), so a step whose rows are all greedy, wi
 changes their logits, takes its tokens and accepted counts from the graph with no sampler work on
 the host (ModelRunner._verdict_settles). Its layout is built on the host and copied in whole.
 
-Prefill and mixed steps, and batches larger than the largest graph, run eagerly.
+A prefill graph runs one fresh sequence's whole prompt (no cached prefix, one chunk) padded to
+a token bucket T (`prefill_capture_sizes`: powers of two up to 1024): the eager prefill's time
+goes to launching its ~500 kernels from Python, not to running them. Rows L..T-1 after the
+prompt's L tokens are padding: token 0 at positions L..T-1, slot -1 (no KV write), and the
+sequence is T long, so under the causal mask the real rows see exactly the keys they would
+eagerly; the padding rows read keys nobody wrote and their results are never read (every layer
+but attention is row-wise). The graph gathers the last real row's hidden state (a device index)
+for the logits. Only backends that say `supports_prefill_graphs` (the Triton attention backend)
+take part, for models without MoE layers, quantized weights, M-RoPE or a runner-side drafter.
+
+Other prefill and mixed steps, and batches larger than the largest graph, run eagerly.
 """
 
 from __future__ import annotations
@@ -75,6 +85,13 @@ def verify_rows(query_lens: list[int], seq_lens: list[int], query_len: int) -> V
     return VerifyRows(padded_rows, positions.ravel())
 
 
+def prefill_capture_sizes(max_tokens: int) -> list[int]:
+    """The prefill graphs' token buckets: powers of two from 16 up to max_tokens, at most 1024
+    (a graph's activations live in the graphs' pool on top of the memory plan's reserve)."""
+    top = min(max_tokens, 1024)
+    return [1 << i for i in range(4, 11) if 1 << i <= top]
+
+
 def fits_verify_graph(query_lens: list[int], seq_lens: list[int], num_sampled_rows: int, query_len: int) -> bool:
     """A step a verify graph can run: every sequence continues a computed context with at most
     query_len rows, and every row's logits are sampled (decodes and drafts only, no prefill)."""
@@ -96,17 +113,20 @@ class Replayed:
     """A replay's results for the step's own rows, in its row order. Gathered from the graph's
     padded rows only when read: a verify step the greedy verdict settles never copies its logits."""
 
-    def __init__(self, outputs: GraphOutputs, rows: torch.Tensor | int, num_seqs: int):
+    def __init__(self, outputs: GraphOutputs, rows: torch.Tensor | int, num_seqs: int,
+                 logits_sampled: bool = False):
         """`rows`: the step's rows among the graph's (a device index), or a count: its rows are
-        the graph's first `rows`."""
+        the graph's first `rows`. `logits_sampled`: the graph's logits are the step's sampled
+        rows already (a prefill graph's one row)."""
         self._outputs, self._rows, self.num_seqs = outputs, rows, num_seqs
+        self._logits_sampled = logits_sampled
 
     def _take(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor[:self._rows] if isinstance(self._rows, int) else tensor[self._rows]
 
     @cached_property
     def logits(self) -> torch.Tensor:
-        return self._take(self._outputs.logits)
+        return self._outputs.logits if self._logits_sampled else self._take(self._outputs.logits)
 
     @cached_property
     def hidden(self) -> torch.Tensor:
@@ -123,6 +143,7 @@ class DecodeGraphs:
     """Graphs of steps whose sequences own `query_len` rows each: pure decode (1) or verify (1 + k)."""
 
     kind = "decode"
+    size_name = "batch sizes"
 
     def __init__(self, runner, sizes: list[int], max_blocks_per_seq: int, max_model_len: int, query_len: int = 1):
         self.runner, self.model, self.device = runner, runner.model, runner.device
@@ -181,8 +202,8 @@ class DecodeGraphs:
             self.graphs[batch] = graph
         torch.cuda.synchronize(self.device)
         self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
-        logger.info("captured %d %s CUDA graphs (batch sizes %s..%s, %d rows per sequence), %.0f MiB",
-                    len(self.graphs), self.kind, self.sizes[0], self.sizes[-1], self.query_len,
+        logger.info("captured %d %s CUDA graphs (%s %s..%s, %d rows per sequence), %.0f MiB",
+                    len(self.graphs), self.kind, self.size_name, self.sizes[0], self.sizes[-1], self.query_len,
                     self.memory_bytes / 2**20)
         return pool
 
@@ -287,6 +308,70 @@ class VerifyGraphs(DecodeGraphs):
         return Replayed(self.outputs[batch], index, n)
 
 
+class PrefillGraphs(DecodeGraphs):
+    """Graphs of one fresh sequence's whole prompt, padded to `sizes` tokens (module docstring)."""
+
+    kind = "prefill"
+    size_name = "tokens"
+
+    def __init__(self, runner, sizes: list[int], max_blocks_per_seq: int, max_model_len: int):
+        self.runner, self.model, self.device = runner, runner.model, runner.device
+        self.sizes, self.max_batch, self.max_model_len, self.query_len = sizes, sizes[-1], max_model_len, 1
+        device, rows = self.device, sizes[-1]
+        # Rows: input ids, positions, slots; the fourth holds the last real row's index at [3, 0].
+        self.row_buffers = torch.zeros(4, rows, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping, last = self.row_buffers.unbind(0)
+        self.last_row = last[:1]
+        self.block_tables = torch.zeros(1, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.state_slots = torch.full((1,), runner.padding_slot, dtype=torch.int32, device=device)
+        self.has_initial_state = torch.zeros(1, dtype=torch.int32, device=device)
+        # Per bucket T: the sequence is T long and all of it is this step's rows.
+        self.seq_lens = {t: torch.full((1,), t, dtype=torch.int32, device=device) for t in sizes}
+        self.query_start_loc = {t: torch.tensor([0, t], dtype=torch.int32, device=device) for t in sizes}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, GraphOutputs] = {}
+        self.memory_bytes = 0
+
+    def _layout(self, tokens: int) -> BatchLayout:
+        return BatchLayout(
+            positions=self.positions[:tokens], query_start_loc=self.query_start_loc[tokens],
+            seq_lens=self.seq_lens[tokens], block_tables=self.block_tables, slot_mapping=self.slot_mapping[:tokens],
+            state_slots=self.state_slots, has_initial_state=self.has_initial_state, max_query_len=tokens,
+            max_seq_len=tokens, query_lens_cpu=[tokens], seq_lens_cpu=[tokens], is_pure_decode=False)
+
+    def _forward(self, tokens: int) -> GraphOutputs:
+        """Every row's hidden states, and the logits of the last real row."""
+        layout = self._layout(tokens)
+        with set_forward_context(self.runner.forward_context(layout)):
+            hidden = self.model(self.input_ids[:tokens], layout.positions)
+        return GraphOutputs(hidden, self.model.compute_logits(hidden.index_select(0, self.last_row)))
+
+    def can_run_step(self, batch_inputs) -> bool:
+        """One sequence from its first token, its whole prompt in this step, within the largest bucket."""
+        layout = batch_inputs.layout
+        return (batch_inputs.host is not None and layout.num_seqs == 1 and batch_inputs.logits_rows is None
+                and layout.query_lens_cpu[0] == layout.seq_lens_cpu[0] <= self.max_batch
+                and len(batch_inputs.sampled_request_ids) == 1 and batch_inputs.multimodal is None)
+
+    def run(self, batch_inputs) -> Replayed:
+        layout, host = batch_inputs.layout, batch_inputs.host
+        n = layout.query_lens_cpu[0]
+        tokens = next(t for t in self.sizes if t >= n)
+        staged = torch.empty(self.row_buffers.shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        rows = staged.numpy()
+        rows[0] = 0  # padding rows: token 0, the positions after the prompt, no KV write
+        rows[0, :n] = host.input_ids
+        rows[1] = np.arange(rows.shape[1])
+        rows[2] = -1
+        rows[2, :n] = host.slot_mapping
+        rows[3, 0] = n - 1
+        self.row_buffers.copy_(staged, non_blocking=True)
+        width = layout.block_tables.shape[1]  # entries past it are stale: only padding rows read them
+        self.block_tables[:, :width].copy_(layout.block_tables)
+        self.graphs[tokens].replay()
+        return Replayed(self.outputs[tokens], n, 1, logits_sampled=True)
+
+
 class VerifyGraphSet:
     """Verify graphs for every row count q = 2 .. 1 + k (one VerifyGraphs each, one memory pool):
     a step replays the smallest q that holds its longest sequence, so a step of fewer drafts than
@@ -308,6 +393,10 @@ class VerifyGraphSet:
     def release(self) -> None:
         for graphs in self.by_rows.values():
             graphs.release()
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(graphs.memory_bytes for graphs in self.by_rows.values())
 
     def _pick(self, layout: BatchLayout) -> VerifyGraphs | None:
         rows = max(layout.query_lens_cpu)

@@ -298,7 +298,7 @@ def rank_memory(runner, plan: MemoryPlan) -> dict:
     weights = parameter_bytes(runner.model) + sum(b.numel() * b.element_size() for b in runner.model.buffers())
     caches = runner.caches
     kv_cache, state_cache = (caches.paged_bytes, caches.state_bytes) if caches else (0, 0)
-    graphs = runner.graphs.memory_bytes if runner.graphs is not None else 0
+    graphs = sum(g.memory_bytes for g in (runner.graphs, runner.verify_graphs, runner.prefill_graphs) if g is not None)
     ledger = {"device": str(device), "weights_bytes": weights, "kv_cache_bytes": kv_cache,
               "state_cache_bytes": state_cache,
               "activation_reserve_bytes": plan.activation_reserve_bytes,

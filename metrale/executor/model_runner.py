@@ -213,6 +213,7 @@ class ModelRunner:
         self._pin = device.type == "cuda"
         self.graphs = None  # DecodeGraphs, once captured
         self.verify_graphs = None  # VerifyGraphSet, once captured (speculative decoding)
+        self.prefill_graphs = None  # PrefillGraphs, once captured
         # The last launched step's sampled tokens on the device, and each request's row in them.
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
@@ -244,17 +245,31 @@ class ModelRunner:
         return self.supports_cuda_graphs and all(getattr(b, "supports_verify_graphs", False)
                                                  for b in self.backends.values())
 
+    @property
+    def supports_prefill_graphs(self) -> bool:
+        """Prefill graphs (executor/cuda_graphs.PrefillGraphs): every backend reads their padded
+        layout, and every layer but attention is row-wise on the padding rows (no MoE routing,
+        no quantized activations), with no runner-side drafter reading the step."""
+        from metrale.layers.moe.layer import FusedMoE
+
+        return (self.supports_cuda_graphs and self.drafter is None and self.model_config.quantization is None
+                and all(getattr(b, "supports_prefill_graphs", False) for b in self.backends.values())
+                and not any(isinstance(m, FusedMoE) for m in self.model.modules()))
+
     def release_cuda_graphs(self) -> None:
         """Back to eager decode steps (before shutting a multi-rank engine's groups down)."""
-        for graphs in (self.graphs, self.verify_graphs):
+        for graphs in (self.graphs, self.verify_graphs, self.prefill_graphs):
             if graphs is not None:
                 graphs.release()
-        self.graphs = self.verify_graphs = None
+        self.graphs = self.verify_graphs = self.prefill_graphs = None
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, num_speculative_tokens: int = 0) -> None:
-        """Decode graphs, and verify graphs of 1 + num_speculative_tokens rows per sequence when
-        speculating and every backend supports them (executor/cuda_graphs.py)."""
-        from metrale.executor.cuda_graphs import DecodeGraphs, VerifyGraphSet, capture_sizes
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, num_speculative_tokens: int = 0,
+                            max_prefill_tokens: int = 0) -> None:
+        """Decode graphs, verify graphs of 1 + num_speculative_tokens rows per sequence when
+        speculating and every backend supports them, and prefill graphs of up to
+        max_prefill_tokens tokens where the model allows them (executor/cuda_graphs.py)."""
+        from metrale.executor.cuda_graphs import (DecodeGraphs, PrefillGraphs, VerifyGraphSet, capture_sizes,
+                                                  prefill_capture_sizes)
 
         if not self.supports_cuda_graphs:
             return
@@ -265,14 +280,27 @@ class ModelRunner:
             logger.info("verify steps run eagerly: the %s backends have no verify graphs", self.backend_names)
         elif num_speculative_tokens:
             self.verify_graphs = VerifyGraphSet(self, max_num_seqs, num_speculative_tokens, max_blocks, max_model_len)
-            self.verify_graphs.capture(pool)
+            pool = self.verify_graphs.capture(pool)
+        sizes = prefill_capture_sizes(min(max_prefill_tokens, max_model_len))
+        if sizes and self.supports_prefill_graphs:
+            self.prefill_graphs = PrefillGraphs(self, sizes, max_blocks, max_model_len)
+            try:
+                self.prefill_graphs.capture(pool)
+            except torch.OutOfMemoryError:  # the graphs' activations come on top of the memory plan
+                self.prefill_graphs.release()
+                self.prefill_graphs = None
+                torch.cuda.empty_cache()
+                logger.warning("no prefill CUDA graphs: out of device memory while capturing them; "
+                               "prefills run eagerly (lower --gpu-memory-utilization to leave room)")
 
     def replay_graph(self, batch: BatchInputs) -> Replayed | None:
         """The step's outputs from a captured graph (the logits of its sampled rows, the hidden
-        states of all its rows), or None when no graph fits it: a pure decode step (one row per
-        sequence) or a verify step (decodes and drafts only, at most 1 + k rows per sequence;
-        every row sampled). Every row of such a step is sampled, so both are in the batch's row order."""
+        states of all its rows), or None when no graph fits it: a fresh sequence's whole prompt
+        (a prefill graph), a pure decode step (one row per sequence) or a verify step (decodes
+        and drafts only, at most 1 + k rows per sequence; every row sampled). Every row of such a step is sampled, so both are in the batch's row order."""
         num_tokens, layout = batch.input_ids.shape[0], batch.layout
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run_step(batch):
+            return self.prefill_graphs.run(batch)
         if (self.graphs is not None and layout.is_pure_decode
                 and len(batch.sampled_request_ids) == num_tokens and self.graphs.can_run(num_tokens)):
             return self.graphs.run(batch)

@@ -108,6 +108,29 @@ def test_memory_plan_predicts_startup_use(checkpoint_factory):
     rng = random.Random(0)
     llm.generate([{"prompt_token_ids": [rng.randrange(1000) for _ in range(4000)]} for _ in range(4)],
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    graphs = llm.llm_engine.runner.graphs.memory_bytes if llm.llm_engine.runner.graphs else 0
+    runner = llm.llm_engine.runner
+    graphs = sum(g.memory_bytes for g in (runner.graphs, runner.verify_graphs, runner.prefill_graphs) if g is not None)
     held = torch.cuda.max_memory_reserved() - graphs
     assert abs(plan.predicted_bytes - held) / held < 0.05, (plan.table(), held)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_prefill_graphs_give_transformers_tokens(family, checkpoint_factory, monkeypatch):
+    """Each prompt alone: its prefill replays a prefill graph (padded to a token bucket, or eager
+    past the largest one) and the tokens are transformers'."""
+    path = checkpoint_factory(family)
+    model = load_reference(path)
+    llm = LLM(path, dtype="float32", device="cuda", num_kv_blocks=256, max_num_seqs=16, attention_backend="triton")
+    runner = llm.llm_engine.runner
+    if not runner.supports_prefill_graphs:
+        assert runner.prefill_graphs is None
+        pytest.skip(f"{family}: no prefill graphs (MoE, quantized or a backend without them)")
+    assert runner.prefill_graphs is not None
+    replays = []
+    run = runner.prefill_graphs.run
+    monkeypatch.setattr(runner.prefill_graphs, "run", lambda batch: replays.append(1) or run(batch))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for prompt in prompts():
+        got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == reference_greedy(model, prompt, 12), len(prompt)
+    assert len(replays) == len(LENGTHS)

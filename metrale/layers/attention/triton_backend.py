@@ -28,6 +28,9 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
     supports_verify_graphs = True
+    # A prefill graph's layout (one sequence padded to a token bucket, executor/cuda_graphs.py)
+    # runs the extend kernel as it is: the padding rows come after the real ones.
+    supports_prefill_graphs = True
     fused_prologue = True
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
