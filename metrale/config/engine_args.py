@@ -85,6 +85,9 @@ class EngineArgs:
     attention_backend: str = option("auto", "Attention implementation; auto: triton on CUDA, torch on CPU",
                                     choices=("auto", "torch", "triton"))
     enforce_eager: bool = option(False, "Never capture CUDA graphs (the same as --forward eager on CUDA)")
+    prefill_graphs: bool = option(True, "With CUDA graphs: also capture graphs of one fresh prompt of up to 1024 "
+                                        "tokens (dense models on the Triton attention backend), so its first "
+                                        "token does not wait for the prefill's kernels to be launched one by one")
     quantization: str | None = option(None, "Run the weights quantized: fp8 quantizes an unquantized checkpoint's "
                                             "linear and expert weights to FP8 as they load (per output channel, in "
                                             "groups of 128 inputs); a checkpoint's own quantization_config is read "

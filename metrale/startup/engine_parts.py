@@ -182,7 +182,7 @@ def _size_caches(args, plan, runner, tokenizer, parallel, forward: str, log: Sta
         spec = args.speculative_decoding
         runner.capture_cuda_graphs(plan.max_num_seqs, plan.max_model_len,
                                    spec.num_speculative_tokens if spec is not None else 0,
-                                   args.step_token_budget(runner.device.type))
+                                   args.step_token_budget(runner.device.type) if args.prefill_graphs else 0)
     state = f", {runner.caches.num_slots} state slots ({plan.state_cache_bytes / 2**20:.0f} MiB)" \
         if plan.state_bytes_per_slot else ""
     log.phase("kv cache", f"{plan.num_kv_blocks} blocks x {args.block_size} tokens "

@@ -134,3 +134,6 @@ def test_prefill_graphs_give_transformers_tokens(family, checkpoint_factory, mon
         got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
         assert got == reference_greedy(model, prompt, 12), len(prompt)
     assert len(replays) == len(LENGTHS)
+    off = LLM(path, dtype="float32", device="cuda", num_kv_blocks=256, max_num_seqs=16, attention_backend="triton",
+              prefill_graphs=False)
+    assert off.llm_engine.runner.prefill_graphs is None and off.llm_engine.runner.graphs is not None
