@@ -139,54 +139,28 @@ class Replayed:
         return v[:, :self.num_seqs] if v is not None else None
 
 
-class DecodeGraphs:
-    """Graphs of steps whose sequences own `query_len` rows each: pure decode (1) or verify (1 + k)."""
+class CapturedGraphs:
+    """One graph per size over shared static buffers (what a subclass's `_forward(size)` reads),
+    captured into one memory pool; the subclass copies a step in and replays."""
 
-    kind = "decode"
-    size_name = "batch sizes"
+    kind = ""
+    size_name = ""
 
-    def __init__(self, runner, sizes: list[int], max_blocks_per_seq: int, max_model_len: int, query_len: int = 1):
+    def __init__(self, runner, sizes: list[int], max_model_len: int, query_len: int):
         self.runner, self.model, self.device = runner, runner.model, runner.device
         self.sizes = sizes
         self.max_batch = self.sizes[-1]
         self.max_model_len = max_model_len
         self.query_len = query_len
-        n, rows, device = self.max_batch, self.max_batch * query_len, self.device
-        # The static BatchLayout every graph reads: a replay copies the step's layout in. The
-        # per-row and the per-sequence buffers are rows of one tensor each, so a step built on the
-        # host fills each in one copy (VerifyGraphs.run).
-        self.row_buffers = torch.zeros(3, rows, dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self.row_buffers.unbind(0)
-        self.slot_mapping.fill_(-1)
-        self.seq_buffers = torch.zeros(3, n, dtype=torch.int32, device=device)
-        self.seq_lens, self.real_query_lens, self.state_slots = self.seq_buffers.unbind(0)
-        self.real_query_lens.fill_(1)
-        self.state_slots.fill_(runner.padding_slot)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device) * query_len
-        self.has_initial_state = torch.ones(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Per graph, its outputs. Overwritten by the next replay, which the stream orders after
         # every read enqueued before it (a runner-side MTP drafter reads `hidden` after the replay).
         self.outputs: dict[int, GraphOutputs] = {}
         self.memory_bytes = 0
 
-    def _layout(self, batch: int) -> BatchLayout:
-        q, rows = self.query_len, batch * self.query_len
-        return BatchLayout(
-            positions=self.positions[:rows], query_start_loc=self.query_start_loc[:batch + 1],
-            seq_lens=self.seq_lens[:batch], block_tables=self.block_tables[:batch],
-            slot_mapping=self.slot_mapping[:rows], state_slots=self.state_slots[:batch],
-            has_initial_state=self.has_initial_state[:batch], max_query_len=q, max_seq_len=self.max_model_len,
-            query_lens_cpu=[q] * batch, seq_lens_cpu=[q] * batch, is_pure_decode=q == 1,
-            uniform_query_len=q if q > 1 else 0, real_query_lens=self.real_query_lens[:batch] if q > 1 else None)
-
-    def _forward(self, batch: int) -> GraphOutputs:
-        """The outputs of every row of the graph of `batch` sequences."""
-        layout = self._layout(batch)
-        with set_forward_context(self.runner.forward_context(layout)):
-            hidden = self.model(self.input_ids[:batch * self.query_len], layout.positions)
-        return GraphOutputs(hidden, self.model.compute_logits(hidden))
+    def _staging(self, like: torch.Tensor) -> torch.Tensor:
+        """A host buffer shaped as a static buffer, pinned on CUDA (copied in without blocking)."""
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=self.device.type == "cuda")
 
     @torch.inference_mode()
     def capture(self, pool=None):
@@ -215,6 +189,50 @@ class DecodeGraphs:
             graph.reset()
         self.graphs.clear()
         self.outputs.clear()
+
+    def _forward(self, size: int) -> GraphOutputs:
+        raise NotImplementedError
+
+
+class DecodeGraphs(CapturedGraphs):
+    """Graphs of steps whose sequences own `query_len` rows each: pure decode (1) or verify (1 + k)."""
+
+    kind = "decode"
+    size_name = "batch sizes"
+
+    def __init__(self, runner, sizes: list[int], max_blocks_per_seq: int, max_model_len: int, query_len: int = 1):
+        super().__init__(runner, sizes, max_model_len, query_len)
+        n, rows, device = self.max_batch, self.max_batch * query_len, self.device
+        # The static BatchLayout every graph reads: a replay copies the step's layout in. The
+        # per-row and the per-sequence buffers are rows of one tensor each, so a step built on the
+        # host fills each in one copy (VerifyGraphs.run).
+        self.row_buffers = torch.zeros(3, rows, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.row_buffers.unbind(0)
+        self.slot_mapping.fill_(-1)
+        self.seq_buffers = torch.zeros(3, n, dtype=torch.int32, device=device)
+        self.seq_lens, self.real_query_lens, self.state_slots = self.seq_buffers.unbind(0)
+        self.real_query_lens.fill_(1)
+        self.state_slots.fill_(runner.padding_slot)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device) * query_len
+        self.has_initial_state = torch.ones(n, dtype=torch.int32, device=device)
+
+    def _layout(self, batch: int) -> BatchLayout:
+        q, rows = self.query_len, batch * self.query_len
+        return BatchLayout(
+            positions=self.positions[:rows], query_start_loc=self.query_start_loc[:batch + 1],
+            seq_lens=self.seq_lens[:batch], block_tables=self.block_tables[:batch],
+            slot_mapping=self.slot_mapping[:rows], state_slots=self.state_slots[:batch],
+            has_initial_state=self.has_initial_state[:batch], max_query_len=q, max_seq_len=self.max_model_len,
+            query_lens_cpu=[q] * batch, seq_lens_cpu=[q] * batch, is_pure_decode=q == 1,
+            uniform_query_len=q if q > 1 else 0, real_query_lens=self.real_query_lens[:batch] if q > 1 else None)
+
+    def _forward(self, batch: int) -> GraphOutputs:
+        """The outputs of every row of the graph of `batch` sequences."""
+        layout = self._layout(batch)
+        with set_forward_context(self.runner.forward_context(layout)):
+            hidden = self.model(self.input_ids[:batch * self.query_len], layout.positions)
+        return GraphOutputs(hidden, self.model.compute_logits(hidden))
 
     def can_run(self, batch: int) -> bool:
         return batch <= self.max_batch
@@ -281,7 +299,7 @@ class VerifyGraphs(DecodeGraphs):
         layout, host = batch_inputs.layout, batch_inputs.host
         n, q = layout.num_seqs, self.query_len
         batch = next(s for s in self.sizes if s >= n)
-        row_buffers = torch.empty(self.row_buffers.shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        row_buffers = self._staging(self.row_buffers)
         rows = row_buffers.numpy()
         rows[:] = np.array([[0], [0], [-1]])  # dummy rows: token 0, their sequence's last position, no KV write
         full = host.input_ids.shape[0] == n * q  # every sequence has q real rows: no dummy rows among them
@@ -290,7 +308,7 @@ class VerifyGraphs(DecodeGraphs):
         rows[0, real] = host.input_ids
         rows[1, :n * q] = host.positions if full else placed.positions
         rows[2, real] = host.slot_mapping
-        seq_buffers = torch.empty(self.seq_buffers.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        seq_buffers = self._staging(self.seq_buffers)
         seqs = seq_buffers.numpy()
         seqs[:] = np.array([[0], [1], [self.runner.padding_slot]])  # padding sequences: no KV read, no owned state
         seqs[0, :n] = layout.seq_lens_cpu
@@ -303,21 +321,21 @@ class VerifyGraphs(DecodeGraphs):
         self.graphs[batch].replay()
         if full:  # the step's rows are the graph's first n * q
             return Replayed(self.outputs[batch], n * q, n)
-        index = torch.from_numpy(placed.padded_rows)
-        index = (index.pin_memory() if self.device.type == "cuda" else index).to(self.device, non_blocking=True)
+        index = self._staging(torch.from_numpy(placed.padded_rows))
+        index.numpy()[:] = placed.padded_rows
+        index = index.to(self.device, non_blocking=True)
         return Replayed(self.outputs[batch], index, n)
 
 
-class PrefillGraphs(DecodeGraphs):
+class PrefillGraphs(CapturedGraphs):
     """Graphs of one fresh sequence's whole prompt, padded to `sizes` tokens (module docstring)."""
 
     kind = "prefill"
     size_name = "tokens"
 
     def __init__(self, runner, sizes: list[int], max_blocks_per_seq: int, max_model_len: int):
-        self.runner, self.model, self.device = runner, runner.model, runner.device
-        self.sizes, self.max_batch, self.max_model_len, self.query_len = sizes, sizes[-1], max_model_len, 1
-        device, rows = self.device, sizes[-1]
+        super().__init__(runner, sizes, max_model_len, query_len=1)
+        device, rows = self.device, self.max_batch
         # Rows: input ids, positions, slots; the fourth holds the last real row's index at [3, 0].
         self.row_buffers = torch.zeros(4, rows, dtype=torch.int64, device=device)
         self.input_ids, self.positions, self.slot_mapping, last = self.row_buffers.unbind(0)
@@ -328,9 +346,6 @@ class PrefillGraphs(DecodeGraphs):
         # Per bucket T: the sequence is T long and all of it is this step's rows.
         self.seq_lens = {t: torch.full((1,), t, dtype=torch.int32, device=device) for t in sizes}
         self.query_start_loc = {t: torch.tensor([0, t], dtype=torch.int32, device=device) for t in sizes}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, GraphOutputs] = {}
-        self.memory_bytes = 0
 
     def _layout(self, tokens: int) -> BatchLayout:
         return BatchLayout(
@@ -357,7 +372,7 @@ class PrefillGraphs(DecodeGraphs):
         layout, host = batch_inputs.layout, batch_inputs.host
         n = layout.query_lens_cpu[0]
         tokens = next(t for t in self.sizes if t >= n)
-        staged = torch.empty(self.row_buffers.shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        staged = self._staging(self.row_buffers)
         rows = staged.numpy()
         rows[0] = 0  # padding rows: token 0, the positions after the prompt, no KV write
         rows[0, :n] = host.input_ids

@@ -125,10 +125,11 @@ class PendingOutput:
         self._host = self._event = None
         if sampled is not None and sampled.tokens.is_cuda:  # the tokens, then the accepted counts: one wait
             n = sampled.tokens.shape[0]
-            counts = verified.num_accepted if verified is not None else sampled.tokens[:0]
-            self._host = torch.empty(n + counts.shape[0], dtype=torch.int64, pin_memory=True)
+            counts = verified.num_accepted.shape[0] if verified is not None else 0
+            self._host = torch.empty(n + counts, dtype=torch.int64, pin_memory=True)
             self._host[:n].copy_(sampled.tokens, non_blocking=True)
-            self._host[n:].copy_(counts, non_blocking=True)
+            if verified is not None:
+                self._host[n:].copy_(verified.num_accepted, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -297,7 +298,8 @@ class ModelRunner:
         """The step's outputs from a captured graph (the logits of its sampled rows, the hidden
         states of all its rows), or None when no graph fits it: a fresh sequence's whole prompt
         (a prefill graph), a pure decode step (one row per sequence) or a verify step (decodes
-        and drafts only, at most 1 + k rows per sequence; every row sampled). Every row of such a step is sampled, so both are in the batch's row order."""
+        and drafts only, at most 1 + k rows per sequence; every row sampled). Every row of such a
+        step is sampled, so both are in the batch's row order."""
         num_tokens, layout = batch.input_ids.shape[0], batch.layout
         if self.prefill_graphs is not None and self.prefill_graphs.can_run_step(batch):
             return self.prefill_graphs.run(batch)
