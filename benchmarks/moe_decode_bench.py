@@ -40,11 +40,12 @@ MODELS = {
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-# --sweep: alternatives to the default config, as field overrides (one stage at a time).
-SWEEP = [
-    dict(block_i=2), dict(block_i=4), dict(warps1=4), dict(block_i=2, warps1=4),
-    dict(block_n=2), dict(block_n=4), dict(warps2=2), dict(warps2=8), dict(block_n=2, warps2=8),
-]
+# --sweep: each stage timed alone over a grid of its config fields (chunk widths capped by the
+# dimension; `unrolled` only with several chunks), then both stages' best together.
+SWEEP_GATE_UP = [dict(block_i=bi, warps1=w, block_k1=bk, unrolled=u)
+                 for bi in (1, 2) for w in (4, 8) for bk, u in ((2048, False), (1024, True), (512, True))]
+SWEEP_DOWN = [dict(block_n=bn, warps2=w, block_k2=bk, unrolled=u)
+              for bn in (1, 2, 4) for w in (2, 4, 8) for bk, u in ((256, False), (256, True), (128, True), (1024, False))]
 
 
 def parse_args(argv=None):
@@ -89,6 +90,58 @@ def parse_args(argv=None):
 
 def _log(msg):
     print(msg, file=sys.stderr, flush=True)
+
+
+def _fields(cfg, names):
+    return " ".join(f"{n}={getattr(cfg, n)}" for n in names)
+
+
+def sweep(args, small, grouped, xs, routes, w13, w2, default_cfg, inter, hidden, top_k):
+    """Each stage alone over its grid, then the two best stages together:
+    ((gate_up default us, best us, fields), (down ...), both best us, default us)."""
+    from gemv_bench import time_graph
+    from metrale.kernels import moe_gemv
+
+    def stage_grid(grid, run, names, limit):
+        results = {}
+        for override in grid:
+            cfg = default_cfg._replace(**override)
+            width = cfg.block_k1 if "block_k1" in override else cfg.block_k2
+            if cfg.unrolled and width >= limit:
+                continue  # unrolling one chunk is the plain loop
+            if cfg in results:
+                continue
+            try:
+                results[cfg] = time_graph(lambda i, cfg=cfg: run(i, cfg), args.calls, args.replays)
+                _log(f"    {_fields(cfg, names)}: {results[cfg]:.1f} us")
+            except Exception as e:  # e.g. triton's OutOfResources
+                _log(f"    {_fields(cfg, names)}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+        best = min(results, key=results.get)
+        return time_graph(lambda i: run(i, default_cfg), args.calls, args.replays), results[best], best
+
+    acts = [torch.empty((x.shape[0] * top_k, inter), dtype=x.dtype, device=x.device) for x in xs]
+    outs = [torch.empty_like(x) for x in xs]
+    for i, x in enumerate(xs):  # stage 2's inputs, from the default stage 1
+        moe_gemv.launch_gate_up(x, w13, routes[i][1], acts[i], 0, default_cfg)
+
+    def gate_up(i, cfg):
+        moe_gemv.launch_gate_up(xs[i], w13, routes[i][1], acts[i], 0, cfg)
+
+    def down(i, cfg):
+        moe_gemv.launch_down(acts[i], w2, routes[i][1], routes[i][0], outs[i], 0, cfg)
+
+    g = stage_grid(SWEEP_GATE_UP, gate_up, ("block_i", "warps1", "block_k1", "unrolled"), hidden)
+    d = stage_grid(SWEEP_DOWN, down, ("block_n", "warps2", "block_k2", "unrolled"), inter)
+    both = default_cfg._replace(block_i=g[2].block_i, warps1=g[2].warps1, block_k1=g[2].block_k1,
+                                block_n=d[2].block_n, warps2=d[2].warps2, block_k2=d[2].block_k2)
+    # `unrolled` is one flag for both stages: keep it where the best down wanted it (down has several chunks)
+    both = both._replace(unrolled=d[2].unrolled or g[2].unrolled)
+    torch.testing.assert_close(small(0, both), grouped(0), rtol=2e-2, atol=2e-2)
+    t_both = time_graph(lambda i: small(i, both), args.calls, args.replays)
+    t_default = time_graph(lambda i: small(i), args.calls, args.replays)
+    _log(f"  both best {both}: {t_both:.1f} us (default {t_default:.1f})")
+    return (g[0], g[1], _fields(g[2], ("block_i", "warps1", "block_k1", "unrolled"))), \
+        (d[0], d[1], _fields(d[2], ("block_n", "warps2", "block_k2", "unrolled"))), t_both, t_default
 
 
 def main(argv=None):
@@ -148,19 +201,8 @@ def main(argv=None):
             rows.append((name, batch, statistics.mean(touched), nbytes, t_small, t_grouped))
             _log(f"  batch {batch}: small-batch {t_small:.1f} us, grouped GEMM {t_grouped:.1f} us")
             if args.sweep:
-                results = {default_cfg: t_small}
-                for override in SWEEP:
-                    cfg = default_cfg._replace(**override)
-                    if cfg in results:
-                        continue
-                    try:
-                        torch.testing.assert_close(small(0, cfg), grouped(0), rtol=2e-2, atol=2e-2)
-                        results[cfg] = time_graph(lambda i, cfg=cfg: small(i, cfg), args.calls, args.replays)
-                        _log(f"    {cfg}: {results[cfg]:.1f} us")
-                    except Exception as e:  # e.g. triton's OutOfResources
-                        _log(f"    {cfg}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
-                best = min(results, key=results.get)
-                sweeps.append((name, batch, best, results[best], t_small, best == default_cfg))
+                sweeps.append((name, batch, *sweep(args, small, grouped, xs, routes, w13, w2, default_cfg, inter,
+                                                   hidden, top_k)))
         del w13, w2
         torch.cuda.empty_cache()
 
@@ -172,9 +214,13 @@ def main(argv=None):
         print(f"| {name} | {batch} | {distinct:.1f} | {nbytes / 1e6:.1f} | {floor:.1f} | {t_s:.1f} "
               f"| {nbytes / t_s / 1e3:.0f} | {100 * floor / t_s:.0f}% | {t_g:.1f} | {nbytes / t_g / 1e3:.0f} "
               f"| {100 * floor / t_g:.0f}% | {t_g / t_s:.2f}x |")
-    for name, batch, best, t_best, t_default, is_default in sweeps:
-        print(f"sweep {name} batch {batch}: best {best} {t_best:.1f} us"
-              + (" (the default)" if is_default else f" (default {t_default:.1f} us)"))
+    if sweeps:
+        print("\n| model | batch | gate_up default us | best | config | down default us | best | config "
+              "| both best us | default both us |")
+        print("|---|---:|---:|---:|---|---:|---:|---|---:|---:|")
+    for name, batch, (g_def, g_best, g_cfg), (d_def, d_best, d_cfg), t_both, t_default in sweeps:
+        print(f"| {name} | {batch} | {g_def:.1f} | {g_best:.1f} | {g_cfg} | {d_def:.1f} | {d_best:.1f} | {d_cfg} "
+              f"| {t_both:.1f} | {t_default:.1f} |")
     _log(f"done in {time.time() - t_start:.0f} s")
     return 0
 

@@ -87,6 +87,9 @@ class MoeGemvConfig(NamedTuple):
     block_n: int   # stage 2: output rows per program
     block_k2: int  # stage 2: elements of I per chunk
     warps2: int
+    # Both stages' K loops unrolled at compile time (the chunk count is a model constant), so every
+    # chunk's loads can be in flight at once instead of one chunk per loop trip.
+    unrolled: bool = False
 
 
 def _vec(dtype: torch.dtype, block_k: int) -> int:
@@ -131,12 +134,21 @@ def moe_gemv_config(hidden_size: int, inter_size: int, top_k: int,
 
 
 @triton.jit
+def _gate_up_acc(acc_g, acc_u, g_ptrs, u_ptrs, x_ptrs):
+    # One full chunk: acc [BLOCK_I, BLOCK_K // VEC] += the thread-local VEC sums of w * x.
+    g = tl.load(g_ptrs).to(tl.float32)
+    u = tl.load(u_ptrs).to(tl.float32)
+    x = tl.load(x_ptrs).to(tl.float32)[None, :, :]
+    return acc_g + tl.sum(g * x, axis=2), acc_u + tl.sum(u * x, axis=2)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w13_ptr, ids_ptr, act_ptr,
     hidden_size, inter_size, expert_start, num_local,
     stride_xm, stride_we, stride_wn, stride_am,
     TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-    EVEN_K: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, FULL_CHUNKS: tl.constexpr, UNROLLED: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid: (num_assign, cdiv(I, BLOCK_I)). act[a, i] = silu(x[t] . w13[e, i]) * (x[t] . w13[e, I + i]).
     pdl_wait(PDL)  # the routing and hidden come from earlier kernels
@@ -158,13 +170,14 @@ def _gate_up_kernel(
 
     acc_g = tl.full([BLOCK_I, BLOCK_K // VEC], 0.0, tl.float32)
     acc_u = tl.full([BLOCK_I, BLOCK_K // VEC], 0.0, tl.float32)
-    k_full = (hidden_size // BLOCK_K) * BLOCK_K
-    for k0 in range(0, k_full, BLOCK_K):
-        g = tl.load(g_ptrs + k0).to(tl.float32)
-        u = tl.load(u_ptrs + k0).to(tl.float32)
-        x = tl.load(x_ptrs + k0).to(tl.float32)[None, :, :]
-        acc_g += tl.sum(g * x, axis=2)
-        acc_u += tl.sum(u * x, axis=2)
+    k_full = FULL_CHUNKS * BLOCK_K  # FULL_CHUNKS = hidden_size // BLOCK_K
+    if UNROLLED:
+        for c in tl.static_range(FULL_CHUNKS):
+            acc_g, acc_u = _gate_up_acc(acc_g, acc_u, g_ptrs + c * BLOCK_K, u_ptrs + c * BLOCK_K,
+                                        x_ptrs + c * BLOCK_K)
+    else:
+        for k0 in range(0, k_full, BLOCK_K):
+            acc_g, acc_u = _gate_up_acc(acc_g, acc_u, g_ptrs + k0, u_ptrs + k0, x_ptrs + k0)
     if not EVEN_K:  # the partial last chunk
         kmask = (k_full + kk) < hidden_size
         g = tl.load(g_ptrs + k_full, mask=kmask[None, :, :], other=0.0).to(tl.float32)
@@ -194,7 +207,8 @@ def _down_kernel(
     hidden_size, inter_size, expert_start, num_local,
     stride_am, stride_we, stride_wn, stride_om,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    VEC: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    VEC: tl.constexpr, EVEN_K: tl.constexpr, FULL_CHUNKS: tl.constexpr, UNROLLED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # grid: (num_tokens, cdiv(H, BLOCK_N)). out[t, n] = sum_j w_j * (act[t*k+j] . w2[e_j, n]).
     token = tl.program_id(0)
@@ -217,17 +231,29 @@ def _down_kernel(
     emask = valid[:, None, None, None]
 
     acc = tl.full([BLOCK_E, BLOCK_N, BLOCK_K // VEC], 0.0, tl.float32)
-    k_full = (inter_size // BLOCK_K) * BLOCK_K
-    k_start = 0
-    if PREFETCH:  # at least one full chunk: with PDL, it streams in while stage 1 drains
-        w_first = tl.load(w_ptrs, mask=emask, other=0.0)
-    pdl_wait(PDL)
-    if PREFETCH:
-        acc = _down_acc(acc, w_first, a_ptrs, emask)
-        k_start = BLOCK_K
-    for k0 in range(k_start, k_full, BLOCK_K):
-        w = tl.load(w_ptrs + k0, mask=emask, other=0.0)
-        acc = _down_acc(acc, w, a_ptrs + k0, emask)
+    k_full = FULL_CHUNKS * BLOCK_K  # FULL_CHUNKS = inter_size // BLOCK_K
+    if UNROLLED:
+        # Every chunk's w2 loads are independent of the wait (only act is stage 1's): issue them all first.
+        for c in tl.static_range(FULL_CHUNKS):
+            if c == 0:
+                w = tl.load(w_ptrs, mask=emask, other=0.0)
+                pdl_wait(PDL)
+            else:
+                w = tl.load(w_ptrs + c * BLOCK_K, mask=emask, other=0.0)
+            acc = _down_acc(acc, w, a_ptrs + c * BLOCK_K, emask)
+        if FULL_CHUNKS == 0:
+            pdl_wait(PDL)
+    else:
+        k_start = 0
+        if FULL_CHUNKS > 0:  # at least one full chunk: with PDL, it streams in while stage 1 drains
+            w_first = tl.load(w_ptrs, mask=emask, other=0.0)
+        pdl_wait(PDL)
+        if FULL_CHUNKS > 0:
+            acc = _down_acc(acc, w_first, a_ptrs, emask)
+            k_start = BLOCK_K
+        for k0 in range(k_start, k_full, BLOCK_K):
+            w = tl.load(w_ptrs + k0, mask=emask, other=0.0)
+            acc = _down_acc(acc, w, a_ptrs + k0, emask)
     if not EVEN_K:  # the partial last chunk
         mask = emask & ((k_full + kk) < inter_size)[None, None, :, :]
         w = tl.load(w_ptrs + k_full, mask=mask, other=0.0)
@@ -269,24 +295,39 @@ def fused_experts_small_batch_triton(hidden: torch.Tensor, w13: torch.Tensor, w2
 
     cfg = config or moe_gemv_config(hidden_size, inter_size, top_k, hidden.dtype)
     assert all(v > 0 and v & (v - 1) == 0 for v in (cfg.block_i, cfg.block_k1, cfg.block_n, cfg.block_k2)), cfg
-    grid1 = (num_tokens * top_k, triton.cdiv(inter_size, cfg.block_i))
-    grid2 = (num_tokens, triton.cdiv(hidden_size, cfg.block_n))
-    assert grid1[1] < 65536 and grid2[1] < 65536, (grid1, grid2, "a grid's second axis is at most 65535")
     act = torch.empty((num_tokens * top_k, inter_size), dtype=hidden.dtype, device=hidden.device)
-    pdl = pdl_args()
-    _gate_up_kernel[grid1](
+    launch_gate_up(hidden, w13, ids, act, expert_start, cfg)
+    launch_down(act, w2, ids, weights, out, expert_start, cfg)
+    return out
+
+
+def launch_gate_up(hidden, w13, ids, act, expert_start: int, cfg: MoeGemvConfig) -> None:
+    """Stage 1 alone (checked inputs, see fused_experts_small_batch_triton): act [T * k, I]."""
+    num_local, two_i, hidden_size = w13.shape
+    inter_size, top_k = two_i // 2, ids.shape[1]
+    grid = (act.shape[0], triton.cdiv(inter_size, cfg.block_i))
+    assert grid[1] < 65536, (grid, "a grid's second axis is at most 65535")
+    _gate_up_kernel[grid](
         hidden, w13, ids, act,
         hidden_size, inter_size, expert_start, num_local,
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_I=cfg.block_i, BLOCK_K=cfg.block_k1, VEC=_vec(hidden.dtype, cfg.block_k1),
-        EVEN_K=hidden_size % cfg.block_k1 == 0, num_warps=cfg.warps1, **pdl,
+        EVEN_K=hidden_size % cfg.block_k1 == 0, FULL_CHUNKS=hidden_size // cfg.block_k1, UNROLLED=cfg.unrolled,
+        num_warps=cfg.warps1, **pdl_args(),
     )
-    _down_kernel[grid2](
+
+
+def launch_down(act, w2, ids, weights, out, expert_start: int, cfg: MoeGemvConfig) -> None:
+    """Stage 2 alone (checked inputs, see fused_experts_small_batch_triton): out [T, H]."""
+    num_local, hidden_size, inter_size = w2.shape
+    top_k = ids.shape[1]
+    grid = (out.shape[0], triton.cdiv(hidden_size, cfg.block_n))
+    assert grid[1] < 65536, (grid, "a grid's second axis is at most 65535")
+    _down_kernel[grid](
         act, w2, ids, weights, out,
         hidden_size, inter_size, expert_start, num_local,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=top_k, BLOCK_E=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k2,
-        VEC=_vec(hidden.dtype, cfg.block_k2), EVEN_K=inter_size % cfg.block_k2 == 0,
-        PREFETCH=inter_size >= cfg.block_k2, num_warps=cfg.warps2, **pdl,
+        VEC=_vec(act.dtype, cfg.block_k2), EVEN_K=inter_size % cfg.block_k2 == 0,
+        FULL_CHUNKS=inter_size // cfg.block_k2, UNROLLED=cfg.unrolled, num_warps=cfg.warps2, **pdl_args(),
     )
-    return out

@@ -118,6 +118,11 @@ def test_repeated_experts_within_a_token(moe_gemv):
     (40, 20, dict(block_i=8, block_k1=16, warps1=1, block_n=16, block_k2=8, warps2=2)),
     # chunks wider than H and I: only masked chunks (no full chunk to load before the PDL wait)
     (40, 20, dict(block_i=32, block_k1=64, warps1=1, block_n=64, block_k2=32, warps2=1)),
+    # the same with the chunk loops unrolled at compile time: several chunks and a masked tail,
+    # then no full chunk at all
+    (48, 24, dict(block_i=16, block_k1=32, warps1=1, block_n=32, block_k2=16, warps2=1, unrolled=True)),
+    (40, 20, dict(block_i=8, block_k1=16, warps1=1, block_n=16, block_k2=8, warps2=2, unrolled=True)),
+    (40, 20, dict(block_i=32, block_k1=64, warps1=1, block_n=64, block_k2=32, warps2=1, unrolled=True)),
 ])
 def test_odd_shapes(moe_gemv, hidden, inter, tiles):
     w13, w2 = _weights(E, hidden, inter)
