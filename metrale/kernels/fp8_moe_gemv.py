@@ -33,7 +33,7 @@ Numerics: as moe_gemv (rounded where the reference rounds: gate and up after the
 the product, y after the I-sum, y times the routing weight; the k-sum in fp32, rounded once),
 with the weights exact: every product is fp8 value x activation in fp32, times its scale.
 
-Determinism: no split-K, no atomics; the launch config is `moe_gemv_config` for one-byte
+Determinism: no split-K, no atomics; the launch config is `fp8_moe_gemv_config` for one-byte
 weights, a pure function of (H, I, k), so results are bitwise reproducible and independent of
 the batch and of which other tokens are in it.
 
@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from metrale.kernels import pdl_args, pdl_launch_dependents, pdl_wait, tl, triton
-from metrale.kernels.moe_gemv import MoeGemvConfig, moe_gemv_config
+from metrale.kernels.moe_gemv import MoeGemvConfig, chunk_width
 from metrale.kernels.fp8_math import FP8_DTYPE
 
 
@@ -184,11 +184,16 @@ def _down_kernel(
 
 
 def fp8_moe_gemv_config(hidden_size: int, inter_size: int, top_k: int) -> MoeGemvConfig:
-    """moe_gemv's rule for one-byte weights (the same bytes per chunk and warps per row, not
-    measured for fp8 yet). Qwen3-30B-A3B (H 2048, I 768, top-8): stage 1 one gate/up row pair a
-    program, all of H (2 KiB of each row) in one chunk, 4 warps; stage 2 one output row a program,
-    8 experts x 256 of I per chunk (3 chunks), 4 warps."""
-    return moe_gemv_config(hidden_size, inter_size, top_k, FP8_DTYPE)
+    """The first bf16 rule, in bytes, for one-byte weights (not measured for fp8 yet; the bf16 sweep
+    that replaced it in moe_gemv_config did not cover these kernels). Qwen3-30B-A3B (H 2048, I 768,
+    top-8): stage 1 one gate/up row pair a program, all of H (2 KiB of each row) in one chunk,
+    4 warps; stage 2 one output row a program, 8 experts x 256 of I per chunk (3 chunks), 4 warps."""
+    block_k1 = chunk_width(hidden_size, 4096)
+    warps1 = max(1, min(8, block_k1 // (min(16, block_k1) * 32)))
+    block_e = triton.next_power_of_2(top_k)
+    block_k2 = chunk_width(inter_size, max(16, 8192 // block_e))
+    warps2 = max(1, min(4, block_e * block_k2 // (min(16, block_k2) * 32)))
+    return MoeGemvConfig(block_i=1, block_k1=block_k1, warps1=warps1, block_n=1, block_k2=block_k2, warps2=warps2)
 
 
 def fused_experts_fp8_small_batch_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -101,7 +101,7 @@ def _prev_pow2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def _chunk(K: int, cap: int) -> int:
+def chunk_width(K: int, cap: int) -> int:
     """The K chunk: the widest power of two <= min(K, cap), or half of it when that divides K and
     the wider one does not (768 -> 256 x 3, not 512 + a masked 256)."""
     block = min(cap, _prev_pow2(K))
@@ -110,27 +110,33 @@ def _chunk(K: int, cap: int) -> int:
     return block
 
 
+MAX_UNROLLED_CHUNKS = 16  # beyond this many chunks the K loop stays a loop (code size)
+
+
 def moe_gemv_config(hidden_size: int, inter_size: int, top_k: int,
                     dtype: torch.dtype = torch.bfloat16) -> MoeGemvConfig:
-    """Default launch config, a pure function of the shapes (no autotuning: determinism).
-    Not measured yet; chosen by analogy with `gemv_config`'s batch-1 rule, which an H200 run
-    found best (one weight row per program, 8 KiB read per chunk, 8 warps, plain loads):
+    """Default launch config, a pure function of the shapes (no autotuning: determinism), from
+    `benchmarks/moe_decode_bench.py --sweep` on an H200 (docs/benchmarks.md), where each stage was
+    timed alone over a grid at batch 1 and 4 for Qwen3-30B-A3B and Qwen3-Next-80B-A3B:
 
-      stage 1: one gate row and one up row per program, 4 KiB of each per chunk (the whole row at
-               H = 2048 bf16), 8 warps laid out along H: every program issues 8 KiB at once,
-               Qwen3-Next at batch 1 launches 10 * 512 of them.
-      stage 2: one output row per program, all k experts' rows in one tile of at most 8192
-               elements (top-10, I = 512 bf16: 16 x 512, of which 10 x 1 KiB are read), 4 warps;
-               Qwen3-Next at batch 1 launches 2048 of them (74 registers on sm_90: 6 per SM).
+      stage 1: two gate rows and the two matching up rows per program, 4 KiB of each row per chunk
+               (the whole row at H = 2048 bf16), 8 warps laid out along H: 16 KiB in flight per
+               program. One row pair per program was 4-5% slower.
+      stage 2: four output rows per program, all k experts' rows of them, 128 elements of I per
+               chunk ([k', 4, 128]: 8 KiB a chunk for top-8 bf16), the chunks unrolled, 4 warps.
+               One output row per program (the first rule) left stage 2 at a third of the copy
+               bandwidth: Qwen3-30B-A3B's down took 21.6 us at batch 1, against 13.1 us here.
     Chunks are powers of two no wider than the dimension, so every program has one full chunk.
     """
     elem = dtype.itemsize
-    block_k1 = _chunk(hidden_size, 4096 // elem)
+    block_k1 = chunk_width(hidden_size, 4096 // elem)
     warps1 = max(1, min(8, block_k1 // (_vec(dtype, block_k1) * 32)))
-    block_e = triton.next_power_of_2(top_k)
-    block_k2 = _chunk(inter_size, max(16 // elem, 8192 // block_e))
-    warps2 = max(1, min(4, block_e * block_k2 // (_vec(dtype, block_k2) * 32)))
-    return MoeGemvConfig(block_i=1, block_k1=block_k1, warps1=warps1, block_n=1, block_k2=block_k2, warps2=warps2)
+    block_e, block_n = triton.next_power_of_2(top_k), 4
+    block_k2 = chunk_width(inter_size, 128)
+    warps2 = max(1, min(4, block_e * block_n * block_k2 // (_vec(dtype, block_k2) * 32)))
+    unrolled = max(hidden_size // block_k1, inter_size // block_k2) <= MAX_UNROLLED_CHUNKS
+    return MoeGemvConfig(block_i=2, block_k1=block_k1, warps1=warps1, block_n=block_n, block_k2=block_k2,
+                         warps2=warps2, unrolled=unrolled)
 
 
 @triton.jit

@@ -115,15 +115,15 @@ KERNELS = {
         "x_ptr": "*bf16", "w13_ptr": "*bf16", "ids_ptr": I64, "act_ptr": "*bf16",
         **{name: INT for name in ("hidden_size", "inter_size", "expert_start", "num_local", "stride_xm", "stride_we",
                                   "stride_wn", "stride_am")}},
-        {"TOP_K": 10, "BLOCK_I": 1, "BLOCK_K": 2048, "VEC": 8, "EVEN_K": True, "FULL_CHUNKS": 1, "UNROLLED": False,
+        {"TOP_K": 10, "BLOCK_I": 2, "BLOCK_K": 2048, "VEC": 8, "EVEN_K": True, "FULL_CHUNKS": 1, "UNROLLED": True,
          "PDL": True}, 8),
     **{f"moe_gemv._down_kernel[I={inter}]": (MG._down_kernel, {
         "act_ptr": "*bf16", "w2_ptr": "*bf16", "ids_ptr": I64, "weights_ptr": "*bf16", "out_ptr": "*bf16",
         **{name: INT for name in ("hidden_size", "inter_size", "expert_start", "num_local", "stride_am", "stride_we",
                                   "stride_wn", "stride_om")}},
-        {"TOP_K": top_k, "BLOCK_E": block_e, "BLOCK_N": 1, "BLOCK_K": block_k, "VEC": 8, "EVEN_K": True,
-         "FULL_CHUNKS": inter // block_k, "UNROLLED": False, "PDL": True}, 4)
-       for inter, top_k, block_e, block_k in ((512, 10, 16, 512), (768, 8, 8, 256))},
+        {"TOP_K": top_k, "BLOCK_E": block_e, "BLOCK_N": 4, "BLOCK_K": 128, "VEC": 8, "EVEN_K": True,
+         "FULL_CHUNKS": inter // 128, "UNROLLED": True, "PDL": True}, 4)
+       for inter, top_k, block_e in ((512, 10, 16), (768, 8, 8))},
     # The FP8 MoE experts of Qwen3-30B-A3B-FP8 (128 experts, top-8, hidden 2048, expert intermediate
     # 768, [128, 128] blocks, bf16 activations): the grouped GEMM at the tiles of fp8_moe_gemm_config,
     # W8A8 and W8A16, with scalar scales per N tile ("tile") and per-column ones (group_n = 1,
