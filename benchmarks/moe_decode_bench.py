@@ -43,9 +43,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # --sweep: each stage timed alone over a grid of its config fields (chunk widths capped by the
 # dimension; `unrolled` only with several chunks), then both stages' best together.
 SWEEP_GATE_UP = [dict(block_i=bi, warps1=w, block_k1=bk, unrolled=u)
-                 for bi in (1, 2) for w in (4, 8) for bk, u in ((2048, False), (1024, True), (512, True))]
-SWEEP_DOWN = [dict(block_n=bn, warps2=w, block_k2=bk, unrolled=u)
-              for bn in (1, 2, 4) for w in (2, 4, 8) for bk, u in ((256, False), (256, True), (128, True), (1024, False))]
+                 for bi in (1, 2, 4) for w in (4, 8) for bk, u in ((2048, False),)]
+SWEEP_DOWN = ([dict(block_n=bn, warps2=w, block_k2=bk, unrolled=True, act_full_tile=f)
+               for bn in (4, 8) for w in (4, 8) for bk in (128, 256) for f in (False, True)]
+              + [dict(block_n=bn, warps2=w, block_k2=bk, unrolled=True, per_assignment=True)
+                 for bn in (8, 16, 32) for w in (4, 8) for bk in (128, 256)])
+DOWN_FIELDS = ("block_n", "warps2", "block_k2", "unrolled", "act_full_tile", "per_assignment")
 
 
 def parse_args(argv=None):
@@ -131,9 +134,9 @@ def sweep(args, small, grouped, xs, routes, w13, w2, default_cfg, inter, hidden,
         moe_gemv.launch_down(acts[i], w2, routes[i][1], routes[i][0], outs[i], 0, cfg)
 
     g = stage_grid(SWEEP_GATE_UP, gate_up, ("block_i", "warps1", "block_k1", "unrolled"), hidden)
-    d = stage_grid(SWEEP_DOWN, down, ("block_n", "warps2", "block_k2", "unrolled"), inter)
+    d = stage_grid(SWEEP_DOWN, down, DOWN_FIELDS, inter)
     both = default_cfg._replace(block_i=g[2].block_i, warps1=g[2].warps1, block_k1=g[2].block_k1,
-                                block_n=d[2].block_n, warps2=d[2].warps2, block_k2=d[2].block_k2)
+                                **{f: getattr(d[2], f) for f in DOWN_FIELDS})
     # `unrolled` is one flag for both stages: keep it where the best down wanted it (down has several chunks)
     both = both._replace(unrolled=d[2].unrolled or g[2].unrolled)
     torch.testing.assert_close(small(0, both), grouped(0), rtol=2e-2, atol=2e-2)
@@ -141,7 +144,7 @@ def sweep(args, small, grouped, xs, routes, w13, w2, default_cfg, inter, hidden,
     t_default = time_graph(lambda i: small(i), args.calls, args.replays)
     _log(f"  both best {both}: {t_both:.1f} us (default {t_default:.1f})")
     return (g[0], g[1], _fields(g[2], ("block_i", "warps1", "block_k1", "unrolled"))), \
-        (d[0], d[1], _fields(d[2], ("block_n", "warps2", "block_k2", "unrolled"))), t_both, t_default
+        (d[0], d[1], _fields(d[2], DOWN_FIELDS)), t_both, t_default
 
 
 def main(argv=None):

@@ -90,6 +90,13 @@ class MoeGemvConfig(NamedTuple):
     # Both stages' K loops unrolled at compile time (the chunk count is a model constant), so every
     # chunk's loads can be in flight at once instead of one chunk per loop trip.
     unrolled: bool = False
+    # Stage 2 loads the act rows in the weight tile's own shape (each thread its own elements, the
+    # repeats served by L1) instead of one row broadcast over the BLOCK_N output rows.
+    act_full_tile: bool = False
+    # Stage 2 as one program per (assignment, BLOCK_N output rows): one expert's rows, contiguous,
+    # a partial per assignment, and the last of a token's k programs to arrive sums the k
+    # partials in slot order (arrival counters; deterministic).
+    per_assignment: bool = False
 
 
 def _vec(dtype: torch.dtype, block_k: int) -> int:
@@ -214,7 +221,7 @@ def _down_kernel(
     stride_am, stride_we, stride_wn, stride_om,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     VEC: tl.constexpr, EVEN_K: tl.constexpr, FULL_CHUNKS: tl.constexpr, UNROLLED: tl.constexpr,
-    PDL: tl.constexpr,
+    ACT_FULL_TILE: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid: (num_tokens, cdiv(H, BLOCK_N)). out[t, n] = sum_j w_j * (act[t*k+j] . w2[e_j, n]).
     token = tl.program_id(0)
@@ -234,6 +241,8 @@ def _down_kernel(
     w_ptrs = (w2_ptr + expert[:, None, None, None] * stride_we + rows[None, :, None, None] * stride_wn
               + kk[None, None, :, :])
     a_ptrs = act_ptr + assign.to(tl.int64)[:, None, None, None] * stride_am + kk[None, None, :, :]
+    if ACT_FULL_TILE:
+        a_ptrs += 0 * rows[None, :, None, None]
     emask = valid[:, None, None, None]
 
     acc = tl.full([BLOCK_E, BLOCK_N, BLOCK_K // VEC], 0.0, tl.float32)
@@ -270,6 +279,83 @@ def _down_kernel(
     y = (y * weight[:, None]).to(dtype).to(tl.float32)  # times the routing weight, in the model dtype
     y = tl.where(valid[:, None], y, 0.0)  # other ranks' experts (and padding slots): exactly zero
     tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, tl.sum(y, axis=0).to(dtype), mask=nmask)
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least `count` int32 counters at zero on `device`, shared by every launch of the
+    per-assignment stage 2: each (token, row block) counts its k programs' arrivals and its last
+    program sets it back to zero, so between kernels every counter is zero. Grown only outside a
+    CUDA graph capture (a capture would not run the zero fill)."""
+    counters = _ARRIVALS.get(device)
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"moe_gemv: {count} arrival counters are needed while capturing a CUDA graph; "
+                               "run the same batch size once before the capture")
+        counters = torch.zeros(max(count, MAX_TOKENS * 1024), dtype=torch.int32, device=device)
+        _ARRIVALS[device] = counters
+    return counters
+
+
+@triton.jit
+def _down_per_assignment_kernel(
+    act_ptr, w2_ptr, ids_ptr, weights_ptr, part_ptr, arrivals_ptr, out_ptr,
+    hidden_size, inter_size, expert_start, num_local,
+    stride_am, stride_we, stride_wn, stride_om,
+    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr, EVEN_K: tl.constexpr, FULL_CHUNKS: tl.constexpr, PDL: tl.constexpr,
+):
+    # grid: (num_assign, cdiv(H, BLOCK_N)). part[a, n] = w_a * (act[a] . w2[e_a, n]) (rounded as the
+    # reference rounds), then out[t, n] = sum_j part[t*k+j, n] by the token's last program to arrive.
+    a = tl.program_id(0)
+    block = tl.program_id(1)
+    token = a // TOP_K
+    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < hidden_size
+    rows = tl.minimum(offs_n, hidden_size - 1).to(tl.int64)  # rows past H re-read row H-1
+    local = tl.load(ids_ptr + a).to(tl.int64) - expert_start
+    valid = (local >= 0) & (local < num_local)  # another rank's expert: a zero partial, still arriving
+    # [BLOCK_N, 1, 1]: nothing is read for a foreign expert (a tensor: the interpreter refuses a scalar mask)
+    local_rows = local + 0 * rows[:, None, None]
+    emask = (local_rows >= 0) & (local_rows < num_local)
+    expert = tl.where(valid, local, 0)
+    weight = tl.load(weights_ptr + a).to(tl.float32)
+    kk = tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    w_ptrs = w2_ptr + expert * stride_we + rows[:, None, None] * stride_wn + kk[None, :, :]
+    a_ptrs = act_ptr + a.to(tl.int64) * stride_am + kk[None, :, :] + 0 * rows[:, None, None]
+
+    acc = tl.full([BLOCK_N, BLOCK_K // VEC], 0.0, tl.float32)
+    for c in tl.static_range(FULL_CHUNKS):
+        w = tl.load(w_ptrs + c * BLOCK_K, mask=emask, other=0.0)
+        if c == 0:
+            pdl_wait(PDL)  # act is stage 1's
+        x = tl.load(a_ptrs + c * BLOCK_K, mask=emask, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2)
+    if FULL_CHUNKS == 0:
+        pdl_wait(PDL)
+    if not EVEN_K:  # the partial last chunk
+        k_full = FULL_CHUNKS * BLOCK_K
+        mask = emask & ((k_full + kk) < inter_size)[None, :, :]
+        w = tl.load(w_ptrs + k_full, mask=mask, other=0.0)
+        x = tl.load(a_ptrs + k_full, mask=mask, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2)
+
+    dtype = out_ptr.dtype.element_ty
+    y = tl.sum(acc, axis=1).to(dtype).to(tl.float32)  # [BLOCK_N]: F.linear's outputs
+    y = tl.where(valid, (y * weight).to(dtype).to(tl.float32), 0.0)  # times the routing weight, rounded
+    tl.store(part_ptr + a.to(tl.int64) * hidden_size + offs_n, y, mask=nmask)
+    # Every thread's partial is stored before the program arrives (the barrier), and the release
+    # half of the counter's acq_rel publishes them; the last arrival's acquire half sees all k.
+    tl.debug_barrier()
+    counter = arrivals_ptr + token * tl.num_programs(1) + block
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == TOP_K - 1:
+        tl.store(counter, 0)  # the next launch finds it at zero
+        slot = tl.arange(0, BLOCK_E)
+        p_ptrs = part_ptr + (token * TOP_K + slot).to(tl.int64)[:, None] * hidden_size + offs_n[None, :]
+        parts = tl.load(p_ptrs, mask=(slot < TOP_K)[:, None] & nmask[None, :], other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, tl.sum(parts, axis=0).to(dtype), mask=nmask)
 
 
 def fused_experts_small_batch_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -327,6 +413,20 @@ def launch_down(act, w2, ids, weights, out, expert_start: int, cfg: MoeGemvConfi
     """Stage 2 alone (checked inputs, see fused_experts_small_batch_triton): out [T, H]."""
     num_local, hidden_size, inter_size = w2.shape
     top_k = ids.shape[1]
+    if cfg.per_assignment:
+        blocks = triton.cdiv(hidden_size, cfg.block_n)
+        assert blocks < 65536, (blocks, "a grid's second axis is at most 65535")
+        partials = torch.empty((act.shape[0], hidden_size), dtype=torch.float32, device=act.device)
+        arrivals = arrival_counters(act.device, out.shape[0] * blocks)
+        _down_per_assignment_kernel[(act.shape[0], blocks)](
+            act, w2, ids, weights, partials, arrivals, out,
+            hidden_size, inter_size, expert_start, num_local,
+            act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+            TOP_K=top_k, BLOCK_E=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k2,
+            VEC=_vec(act.dtype, cfg.block_k2), EVEN_K=inter_size % cfg.block_k2 == 0,
+            FULL_CHUNKS=inter_size // cfg.block_k2, num_warps=cfg.warps2, **pdl_args(),
+        )
+        return
     grid = (out.shape[0], triton.cdiv(hidden_size, cfg.block_n))
     assert grid[1] < 65536, (grid, "a grid's second axis is at most 65535")
     _down_kernel[grid](
@@ -335,5 +435,6 @@ def launch_down(act, w2, ids, weights, out, expert_start: int, cfg: MoeGemvConfi
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=top_k, BLOCK_E=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k2,
         VEC=_vec(act.dtype, cfg.block_k2), EVEN_K=inter_size % cfg.block_k2 == 0,
-        FULL_CHUNKS=inter_size // cfg.block_k2, UNROLLED=cfg.unrolled, num_warps=cfg.warps2, **pdl_args(),
+        FULL_CHUNKS=inter_size // cfg.block_k2, UNROLLED=cfg.unrolled, ACT_FULL_TILE=cfg.act_full_tile,
+        num_warps=cfg.warps2, **pdl_args(),
     )

@@ -228,3 +228,30 @@ def test_fused_moe_forward_through_the_kernels(moe_gemv, monkeypatch):
     expected = fused_experts_reference(x, layer.w13, layer.w2, *layer.route(logits))
     monkeypatch.setattr(layer_mod, "use_triton", lambda t: True)  # CPU tensors too, through the interpreter
     torch.testing.assert_close(layer(x, logits), expected, rtol=1e-5, atol=1e-5)
+
+
+# Stage 2 as one program per (assignment, row block), the token's last program summing the k
+# partials: the same contract, including experts held elsewhere and the counters' reset.
+PER_ASSIGNMENT = dict(TILES, block_n=16, per_assignment=True)
+
+
+@pytest.mark.parametrize("tokens,top_k,expert_start,num_local", [(1, 2, 0, E), (16, 4, 0, E), (5, 3, 2, 3)])
+def test_per_assignment_stage_two(moe_gemv, tokens, top_k, expert_start, num_local):
+    w13, w2 = _weights(num_local)
+    x, weights, ids = _batch(tokens, top_k, seed=tokens)
+    got = _run(moe_gemv, x, w13, w2, weights, ids, expert_start, tiles=PER_ASSIGNMENT)
+    _check(got, x, w13, w2, weights, ids, expert_start)
+    # the counters are back at zero: a second launch gives the same bits
+    assert torch.equal(got, _run(moe_gemv, x, w13, w2, weights, ids, expert_start, tiles=PER_ASSIGNMENT))
+    assert not moe_gemv.arrival_counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("hidden,inter,tiles", [
+    (48, 24, dict(block_i=16, block_k1=32, warps1=1, block_n=32, block_k2=16, warps2=1, per_assignment=True)),
+    (40, 20, dict(block_i=32, block_k1=64, warps1=1, block_n=64, block_k2=32, warps2=1, per_assignment=True)),
+    (40, 20, dict(block_i=8, block_k1=16, warps1=1, block_n=16, block_k2=8, warps2=2, act_full_tile=True)),
+])
+def test_stage_two_variants_odd_shapes(moe_gemv, hidden, inter, tiles):
+    w13, w2 = _weights(E, hidden, inter)
+    x, weights, ids = _batch(3, 2, hidden=hidden)
+    _check(_run(moe_gemv, x, w13, w2, weights, ids, tiles=tiles), x, w13, w2, weights, ids)
