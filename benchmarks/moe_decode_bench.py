@@ -62,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--calls", type=int, default=20, help="back-to-back calls per CUDA graph")
     p.add_argument("--replays", type=int, default=30, help="timed graph replays (the median is kept)")
     p.add_argument("--sweep", action="store_true", help="also time alternative small-batch configs")
+    p.add_argument("--programmatic-launch", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch with programmatic dependent launch where the GPU has it, as the engine does "
+                        "(default on: a config's speed without it does not predict the engine's)")
     args = p.parse_args(argv)
     models = []
     for name in filter(None, args.models.split(",")):
@@ -153,7 +156,7 @@ def main(argv=None):
         print("moe_decode_bench.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
               file=sys.stderr)
         return 1
-    from metrale.kernels import HAS_TRITON
+    from metrale.kernels import HAS_TRITON, programmatic_launch_supported, set_programmatic_launch
 
     if not HAS_TRITON:
         print("moe_decode_bench.py needs triton (not importable); nothing measured.", file=sys.stderr)
@@ -165,12 +168,14 @@ def main(argv=None):
     from metrale.layers.moe.triton_moe import fused_experts_triton
 
     t_start = time.time()
+    pdl = args.programmatic_launch and programmatic_launch_supported(torch.device("cuda"))
+    set_programmatic_launch(pdl)
     dtype = DTYPES[args.dtype]
     elem = torch.empty((), dtype=dtype).element_size()
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
     print(f"# {props.name}, {props.multi_processor_count} SMs; device-to-device copy: {bw / 1e12:.2f} TB/s; "
-          f"dtype {args.dtype}; ep {args.ep} (rank 0); {args.calls} calls per graph, median of {args.replays} "
+          f"dtype {args.dtype}; ep {args.ep} (rank 0); programmatic launch {'on' if pdl else 'off'}; {args.calls} calls per graph, median of {args.replays} "
           f"replays\n")
 
     rows, sweeps = [], []
