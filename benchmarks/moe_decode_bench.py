@@ -44,7 +44,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # dimension; `unrolled` only with several chunks), then both stages' best together.
 SWEEP_GATE_UP = [dict(block_i=bi, warps1=w, block_k1=bk, unrolled=u)
                  for bi in (1, 2, 4) for w in (4, 8) for bk, u in ((2048, False),)]
-SWEEP_DOWN = ([dict(block_n=bn, warps2=w, block_k2=bk, unrolled=True, act_full_tile=f)
+SWEEP_DOWN = ([dict(block_n=1, warps2=4, block_k2=256, unrolled=False)]  # the first rule's, at top-8 I=768
+              + [dict(block_n=bn, warps2=w, block_k2=bk, unrolled=True, act_full_tile=f)
                for bn in (4, 8) for w in (4, 8) for bk in (128, 256) for f in (False, True)]
               + [dict(block_n=bn, warps2=w, block_k2=bk, unrolled=True, per_assignment=True)
                  for bn in (8, 16, 32) for w in (4, 8) for bk in (128, 256)])
