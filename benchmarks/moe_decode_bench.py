@@ -42,14 +42,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # --sweep: each stage timed alone over a grid of its config fields (chunk widths capped by the
 # dimension; `unrolled` only with several chunks), then both stages' best together.
-SWEEP_GATE_UP = [dict(block_i=bi, warps1=w, block_k1=bk, unrolled=u)
-                 for bi in (1, 2, 4) for w in (4, 8) for bk, u in ((2048, False),)]
-SWEEP_DOWN = ([dict(block_n=1, warps2=4, block_k2=256, unrolled=False)]  # the first rule's, at top-8 I=768
-              + [dict(block_n=bn, warps2=w, block_k2=bk, unrolled=True, act_full_tile=f)
-               for bn in (4, 8) for w in (4, 8) for bk in (128, 256) for f in (False, True)]
-              + [dict(block_n=bn, warps2=w, block_k2=bk, unrolled=True, per_assignment=True)
-                 for bn in (8, 16, 32) for w in (4, 8) for bk in (128, 256)])
-DOWN_FIELDS = ("block_n", "warps2", "block_k2", "unrolled", "act_full_tile", "per_assignment")
+SWEEP_GATE_UP = [dict(block_i=bi, warps1=w) for bi in (1, 2, 4) for w in (4, 8)]
+SWEEP_DOWN = ([dict(block_n=1, warps2=4, block_k2=256, unrolled=False, per_assignment=False)]  # the first rule's
+              + [dict(block_n=bn, warps2=w, block_k2=bk, unrolled=True, per_assignment=pa)
+                 for pa, blocks in ((False, (4, 8)), (True, (8, 16, 32))) for bn in blocks
+                 for w in (4, 8) for bk in (128, 256)])
+DOWN_FIELDS = ("block_n", "warps2", "block_k2", "unrolled", "per_assignment")
 
 
 def parse_args(argv=None):
@@ -113,7 +111,7 @@ def sweep(args, small, grouped, xs, routes, w13, w2, default_cfg, inter, hidden,
         results = {}
         for override in grid:
             cfg = default_cfg._replace(**override)
-            width = cfg.block_k1 if "block_k1" in override else cfg.block_k2
+            width = cfg.block_k1 if "block_i" in override else cfg.block_k2
             if cfg.unrolled and width >= limit:
                 continue  # unrolling one chunk is the plain loop
             if cfg in results:

@@ -19,13 +19,20 @@ padding, no host sync:
       reading one row block of every assignment's expert run at the same time: a repeated expert
       (two tokens routing to it) is streamed from HBM about once and served from L2 otherwise.
       Programs of experts held by another rank return at once and leave their act row unwritten.
-  Stage 2 (`_down_kernel`, grid (T, cdiv(H, BLOCK_N))): program (t, b) reads the BLOCK_N rows of
-      w2 of all k experts of token t as one [k', BLOCK_N, I-chunk] tile (k' = next power of two
+  Stage 2, two forms (`MoeGemvConfig.per_assignment`; the default config takes the first):
+    per assignment (`_down_per_assignment_kernel`, grid (T * k, cdiv(H, BLOCK_N))): program (a, b)
+      reads BLOCK_N rows of w2[e_a] (contiguous) with act[a], reduces over I, scales by the
+      routing weight and stores the rounded partial in fp32 ([T * k, H], a per-call buffer). It
+      then arrives at the counter of (token, b); the token's k-th arrival sums the k partials in
+      slot order, writes out[t, rows] and sets the counter back to zero. A program of another
+      rank's expert reads nothing, stores a zero partial and still arrives.
+    per token (`_down_kernel`, grid (T, cdiv(H, BLOCK_N))): program (t, b) reads the BLOCK_N rows
+      of w2 of all k experts of token t as one [k', BLOCK_N, I-chunk] tile (k' = next power of two
       >= k, the extra slots masked) together with the k act rows, reduces over I, scales by the
       routing weights, and sums over the k experts in registers: one store per output element,
       no atomics, no [T, k, H] buffer. Slots of experts outside this rank's range are masked
-      (their loads issue no memory traffic) and contribute exactly zero; a token with none
-      gets a zero row.
+      (their loads issue no memory traffic) and contribute exactly zero.
+    Either way a token with no local expert gets a zero row.
 
   Weights are read as in `metrale.kernels.gemv`: every thread issues 16-byte loads along a
   contiguous row ([..., BLOCK_K // VEC, VEC] tiles whose last axis is thread-local), products are
@@ -47,14 +54,19 @@ model sees the same intermediate values up to the fp32 summation order:
   `fused_experts_triton` sums in fp32 and rounds once, as here.) fp32 models: every rounding
   is the identity and only the summation order differs from the reference.
 
-Determinism: no split-K, no atomics. Every output element is reduced by one program in an order
-fixed by the launch config, which is a pure function of (H, I, k, dtype) (`moe_gemv_config`), so
-results are bitwise identical from run to run and independent of the batch size and of which
-other tokens are in the batch.
+Determinism: no split-K. Every output element is reduced in an order fixed by the launch config,
+which is a pure function of (H, I, k, dtype) (`moe_gemv_config`): in one program, or (per
+assignment) as k partials summed in slot order by whichever program arrives last; the arrival
+order decides only who sums, never the order. Results are bitwise identical from run to run and
+independent of the batch size and of which other tokens are in the batch.
+
+Arrival counters (`arrival_counters`): one int32 buffer per device, zero between launches, shared
+by every layer. Launches on one device must therefore not overlap (one stream per device, as the
+engine runs); the buffer is allocated on first use and never while a CUDA graph is captured.
 
 Programmatic dependent launch (when enabled, see metrale.kernels): stage 1 waits before its first
 read and then lets stage 2 launch. Stage 2 reads the routing (ids, weights) and its first w2
-chunk BEFORE waiting: the routing is not written by stage 1, and stage 2 can only start once every
+chunk BEFORE waiting (the per-token form; the per-assignment form its routing and first chunk): the routing is not written by stage 1, and stage 2 can only start once every
 stage-1 program has passed its own wait, i.e. once every kernel before stage 1 has completed; the
 act rows, which stage 1 writes, are read only after the wait.
 """
@@ -90,9 +102,6 @@ class MoeGemvConfig(NamedTuple):
     # Both stages' K loops unrolled at compile time (the chunk count is a model constant), so every
     # chunk's loads can be in flight at once instead of one chunk per loop trip.
     unrolled: bool = False
-    # Stage 2 loads the act rows in the weight tile's own shape (each thread its own elements, the
-    # repeats served by L1) instead of one row broadcast over the BLOCK_N output rows.
-    act_full_tile: bool = False
     # Stage 2 as one program per (assignment, BLOCK_N output rows): one expert's rows, contiguous,
     # a partial per assignment, and the last of a token's k programs to arrive sums the k
     # partials in slot order (arrival counters; deterministic).
@@ -122,28 +131,29 @@ MAX_UNROLLED_CHUNKS = 16  # beyond this many chunks the K loop stays a loop (cod
 
 def moe_gemv_config(hidden_size: int, inter_size: int, top_k: int,
                     dtype: torch.dtype = torch.bfloat16) -> MoeGemvConfig:
-    """Default launch config, a pure function of the shapes (no autotuning: determinism), from
-    `benchmarks/moe_decode_bench.py --sweep` on an H200 (docs/benchmarks.md), where each stage was
-    timed alone over a grid at batch 1 and 4 for Qwen3-30B-A3B and Qwen3-Next-80B-A3B:
+    """Default launch config, a pure function of the shapes (no autotuning: determinism), chosen by
+    Qwen3-30B-A3B's batch-1 decode through the engine on an H200 (`met bench latency`,
+    docs/benchmarks.md) among the configs `benchmarks/moe_decode_bench.py --sweep` ranked best:
 
       stage 1: two gate rows and the two matching up rows per program, 4 KiB of each row per chunk
-               (the whole row at H = 2048 bf16), 8 warps laid out along H: 16 KiB in flight per
-               program. One row pair per program was 4-5% slower.
-      stage 2: four output rows per program, all k experts' rows of them, 128 elements of I per
-               chunk ([k', 4, 128]: 8 KiB a chunk for top-8 bf16), the chunks unrolled, 4 warps.
-               One output row per program (the first rule) left stage 2 at a third of the copy
-               bandwidth: Qwen3-30B-A3B's down took 21.6 us at batch 1, against 13.1 us here.
+               (the whole row at H = 2048 bf16), 8 warps laid out along H: 16 KiB in flight a program.
+      stage 2: per assignment (`_down_per_assignment_kernel`): eight output rows of one expert a
+               program, 128 elements of I per chunk, the chunks unrolled, 4 warps, and the token's
+               last program to arrive sums the k partials.
+    Engine steps (ms per token, same job): the first rule (one row pair, one output row over all
+    k experts a program) 3.145; this one 2.995. The microbenchmark alone is no guide: configs it
+    timed within 1% of each other differed by up to 6% of the engine's step, and two row pairs
+    with the first rule's stage 2 made the step slower (3.343).
     Chunks are powers of two no wider than the dimension, so every program has one full chunk.
     """
     elem = dtype.itemsize
     block_k1 = chunk_width(hidden_size, 4096 // elem)
     warps1 = max(1, min(8, block_k1 // (_vec(dtype, block_k1) * 32)))
-    block_e, block_n = triton.next_power_of_2(top_k), 4
     block_k2 = chunk_width(inter_size, 128)
-    warps2 = max(1, min(4, block_e * block_n * block_k2 // (_vec(dtype, block_k2) * 32)))
+    warps2 = max(1, min(4, 8 * block_k2 // (_vec(dtype, block_k2) * 32)))
     unrolled = max(hidden_size // block_k1, inter_size // block_k2) <= MAX_UNROLLED_CHUNKS
-    return MoeGemvConfig(block_i=2, block_k1=block_k1, warps1=warps1, block_n=block_n, block_k2=block_k2,
-                         warps2=warps2, unrolled=unrolled)
+    return MoeGemvConfig(block_i=2, block_k1=block_k1, warps1=warps1, block_n=8, block_k2=block_k2,
+                         warps2=warps2, unrolled=unrolled, per_assignment=True)
 
 
 @triton.jit
@@ -221,7 +231,7 @@ def _down_kernel(
     stride_am, stride_we, stride_wn, stride_om,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     VEC: tl.constexpr, EVEN_K: tl.constexpr, FULL_CHUNKS: tl.constexpr, UNROLLED: tl.constexpr,
-    ACT_FULL_TILE: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # grid: (num_tokens, cdiv(H, BLOCK_N)). out[t, n] = sum_j w_j * (act[t*k+j] . w2[e_j, n]).
     token = tl.program_id(0)
@@ -241,8 +251,6 @@ def _down_kernel(
     w_ptrs = (w2_ptr + expert[:, None, None, None] * stride_we + rows[None, :, None, None] * stride_wn
               + kk[None, None, :, :])
     a_ptrs = act_ptr + assign.to(tl.int64)[:, None, None, None] * stride_am + kk[None, None, :, :]
-    if ACT_FULL_TILE:
-        a_ptrs += 0 * rows[None, :, None, None]
     emask = valid[:, None, None, None]
 
     acc = tl.full([BLOCK_E, BLOCK_N, BLOCK_K // VEC], 0.0, tl.float32)
@@ -435,6 +443,6 @@ def launch_down(act, w2, ids, weights, out, expert_start: int, cfg: MoeGemvConfi
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=top_k, BLOCK_E=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k2,
         VEC=_vec(act.dtype, cfg.block_k2), EVEN_K=inter_size % cfg.block_k2 == 0,
-        FULL_CHUNKS=inter_size // cfg.block_k2, UNROLLED=cfg.unrolled, ACT_FULL_TILE=cfg.act_full_tile,
+        FULL_CHUNKS=inter_size // cfg.block_k2, UNROLLED=cfg.unrolled,
         num_warps=cfg.warps2, **pdl_args(),
     )

@@ -109,7 +109,7 @@ KERNELS = {
            (True, "tile", 16, 64, 128, 1, 4), (True, "tile", 128, 128, 128, 8, 8),
            (True, "channel", 128, 128, 128, 8, 8), (True, "column", 128, 128, 128, 8, 8),
            (False, "tile", 16, 64, 128, 1, 4), (False, "tile", 128, 128, 64, 8, 8))},
-    # The small-batch MoE GEMVs (moe_gemv_config): Qwen3-Next-80B-A3B's routed experts (hidden 2048,
+    # The small-batch MoE GEMVs: Qwen3-Next-80B-A3B's routed experts (hidden 2048,
     # expert intermediate 512, top-10, bf16 routing weights) and Qwen3-30B-A3B's down (768, top-8)
     "moe_gemv._gate_up_kernel": (MG._gate_up_kernel, {
         "x_ptr": "*bf16", "w13_ptr": "*bf16", "ids_ptr": I64, "act_ptr": "*bf16",
@@ -123,6 +123,15 @@ KERNELS = {
                                   "stride_wn", "stride_om")}},
         {"TOP_K": top_k, "BLOCK_E": block_e, "BLOCK_N": 4, "BLOCK_K": 128, "VEC": 8, "EVEN_K": True,
          "FULL_CHUNKS": inter // 128, "UNROLLED": True, "PDL": True}, 4)
+       for inter, top_k, block_e in ((512, 10, 16), (768, 8, 8))},
+    # ... and the per-assignment stage 2 of the default config (moe_gemv_config: 8 rows, 128 of I)
+    **{f"moe_gemv._down_per_assignment_kernel[I={inter}]": (MG._down_per_assignment_kernel, {
+        "act_ptr": "*bf16", "w2_ptr": "*bf16", "ids_ptr": I64, "weights_ptr": "*bf16", "part_ptr": "*fp32",
+        "arrivals_ptr": "*i32", "out_ptr": "*bf16",
+        **{name: INT for name in ("hidden_size", "inter_size", "expert_start", "num_local", "stride_am", "stride_we",
+                                  "stride_wn", "stride_om")}},
+        {"TOP_K": top_k, "BLOCK_E": block_e, "BLOCK_N": 8, "BLOCK_K": 128, "VEC": 8, "EVEN_K": True,
+         "FULL_CHUNKS": inter // 128, "PDL": True}, 4)
        for inter, top_k, block_e in ((512, 10, 16), (768, 8, 8))},
     # The FP8 MoE experts of Qwen3-30B-A3B-FP8 (128 experts, top-8, hidden 2048, expert intermediate
     # 768, [128, 128] blocks, bf16 activations): the grouped GEMM at the tiles of fp8_moe_gemm_config,

@@ -166,17 +166,17 @@ def test_strided_hidden_and_empty_batch(moe_gemv):
 def test_config_is_a_pure_function_of_the_shapes(moe_gemv):
     cfg = moe_gemv.moe_gemv_config
     # Qwen3-Next-80B-A3B (tests/kernels/compile_sm90.py compiles exactly these) and Qwen3-30B-A3B, bf16
-    assert cfg(2048, 512, 10) == moe_gemv.MoeGemvConfig(block_i=2, block_k1=2048, warps1=8, block_n=4,
-                                                          block_k2=128, warps2=4, unrolled=True)
-    assert cfg(2048, 768, 8) == moe_gemv.MoeGemvConfig(block_i=2, block_k1=2048, warps1=8, block_n=4,
-                                                         block_k2=128, warps2=4, unrolled=True)
+    assert cfg(2048, 512, 10) == moe_gemv.MoeGemvConfig(block_i=2, block_k1=2048, warps1=8, block_n=8,
+                                                          block_k2=128, warps2=4, unrolled=True, per_assignment=True)
+    assert cfg(2048, 768, 8) == moe_gemv.MoeGemvConfig(block_i=2, block_k1=2048, warps1=8, block_n=8,
+                                                         block_k2=128, warps2=4, unrolled=True, per_assignment=True)
     assert not cfg(2880, 2880, 4).unrolled  # 45 chunks of 64: a loop
     for hidden, inter, top_k in [(2048, 512, 10), (2048, 768, 8), (4096, 1536, 8), (7168, 2048, 8), (64, 32, 2),
                                  (40, 20, 3), (2048, 256, 10), (2880, 2880, 4)]:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             c = cfg(hidden, inter, top_k, dtype)
             assert c == cfg(hidden, inter, top_k, dtype)
-            assert all(v & (v - 1) == 0 for v in c[:-1]), c
+            assert all(v & (v - 1) == 0 for v in c[:6]), c
             assert c.block_k1 <= hidden and c.block_k2 <= inter, c  # at least one full chunk (PREFETCH)
 
 
@@ -249,7 +249,7 @@ def test_per_assignment_stage_two(moe_gemv, tokens, top_k, expert_start, num_loc
 @pytest.mark.parametrize("hidden,inter,tiles", [
     (48, 24, dict(block_i=16, block_k1=32, warps1=1, block_n=32, block_k2=16, warps2=1, per_assignment=True)),
     (40, 20, dict(block_i=32, block_k1=64, warps1=1, block_n=64, block_k2=32, warps2=1, per_assignment=True)),
-    (40, 20, dict(block_i=8, block_k1=16, warps1=1, block_n=16, block_k2=8, warps2=2, act_full_tile=True)),
+    (40, 20, dict(block_i=8, block_k1=16, warps1=1, block_n=16, block_k2=8, warps2=2, per_assignment=True)),
 ])
 def test_stage_two_variants_odd_shapes(moe_gemv, hidden, inter, tiles):
     w13, w2 = _weights(E, hidden, inter)
