@@ -60,9 +60,7 @@ assignment) as k partials summed in slot order by whichever program arrives last
 order decides only who sums, never the order. Results are bitwise identical from run to run and
 independent of the batch size and of which other tokens are in the batch.
 
-Arrival counters (`arrival_counters`): one int32 buffer per device, zero between launches, shared
-by every layer. Launches on one device must therefore not overlap (one stream per device, as the
-engine runs); the buffer is allocated on first use and never while a CUDA graph is captured.
+Arrival counters: see `metrale/kernels/arrivals.py` (one buffer per device, zero between launches).
 
 Programmatic dependent launch (when enabled, see metrale.kernels): stage 1 waits before its first
 read and then lets stage 2 launch. Stage 2 reads the routing (ids, weights) and its first w2
@@ -78,6 +76,7 @@ from typing import NamedTuple
 import torch
 
 from metrale.kernels import pdl_args, pdl_launch_dependents, pdl_wait, tl, triton
+from metrale.kernels.arrivals import arrival_counters
 
 MAX_TOKENS = 16
 
@@ -287,24 +286,6 @@ def _down_kernel(
     y = (y * weight[:, None]).to(dtype).to(tl.float32)  # times the routing weight, in the model dtype
     y = tl.where(valid[:, None], y, 0.0)  # other ranks' experts (and padding slots): exactly zero
     tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, tl.sum(y, axis=0).to(dtype), mask=nmask)
-
-
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """At least `count` int32 counters at zero on `device`, shared by every launch of the
-    per-assignment stage 2: each (token, row block) counts its k programs' arrivals and its last
-    program sets it back to zero, so between kernels every counter is zero. Grown only outside a
-    CUDA graph capture (a capture would not run the zero fill)."""
-    counters = _ARRIVALS.get(device)
-    if counters is None or counters.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"moe_gemv: {count} arrival counters are needed while capturing a CUDA graph; "
-                               "run the same batch size once before the capture")
-        counters = torch.zeros(max(count, MAX_TOKENS * 1024), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = counters
-    return counters
 
 
 @triton.jit

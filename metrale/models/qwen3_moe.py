@@ -37,7 +37,7 @@ class Qwen3MoeSparseBlock(nn.Module):
         self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False, quantizable=False) if shared else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.experts(hidden, self.gate(hidden))
+        out = self.experts.forward_routed_by(hidden, self.gate)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
         return out

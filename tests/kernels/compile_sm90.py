@@ -171,6 +171,12 @@ KERNELS = {
     "moe_routing._softmax_topk_kernel": (MR._softmax_topk_kernel, {
         "logits_ptr": "*bf16", "weights_ptr": F32, "ids_ptr": I64, "n_rows": INT, "num_experts": INT,
         "stride_row": INT}, {"TOP_K": 10, "BLOCK_K": 16, "BLOCK_E": 512, "RENORMALIZE": True, "PDL": True}, 4),
+    # ... and the same routing with the router's GEMV in one launch (hidden 2048 bf16, 2 rows a program)
+    "moe_routing._router_topk_kernel": (MR._router_topk_kernel, {
+        "x_ptr": "*bf16", "w_ptr": "*bf16", "logits_ptr": F32, "arrivals_ptr": I32, "weights_ptr": "*bf16",
+        "ids_ptr": I64, "hidden_size": INT, "num_experts": INT, "stride_xm": INT, "stride_wn": INT},
+        {"TOP_K": 10, "BLOCK_K": 16, "BLOCK_E": 512, "ROWS": 2, "BLOCK_H": 2048, "VEC": 8, "RENORMALIZE": True,
+         "PDL": True}, 8),
     # Qwen3-8B's attention: 32 q heads over 8 kv heads of 128, bf16 cache
     # (and a verify step's multi-query decode: 1 + 4 query rows per sequence)
     **{f"paged_attention._decode_kernel[DIRECT={direct}{f',NUM_Q={nq},GROUP={group}' if nq > 1 else ''}]": (A._decode_kernel, {

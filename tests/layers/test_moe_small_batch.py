@@ -243,7 +243,9 @@ def test_per_assignment_stage_two(moe_gemv, tokens, top_k, expert_start, num_loc
     _check(got, x, w13, w2, weights, ids, expert_start)
     # the counters are back at zero: a second launch gives the same bits
     assert torch.equal(got, _run(moe_gemv, x, w13, w2, weights, ids, expert_start, tiles=PER_ASSIGNMENT))
-    assert not moe_gemv.arrival_counters(x.device, 1).any()
+    from metrale.kernels.arrivals import arrival_counters
+
+    assert not arrival_counters(x.device, 1).any()
 
 
 @pytest.mark.parametrize("hidden,inter,tiles", [
@@ -255,3 +257,28 @@ def test_stage_two_variants_odd_shapes(moe_gemv, hidden, inter, tiles):
     w13, w2 = _weights(E, hidden, inter)
     x, weights, ids = _batch(3, 2, hidden=hidden)
     _check(_run(moe_gemv, x, w13, w2, weights, ids, tiles=tiles), x, w13, w2, weights, ids)
+
+
+@pytest.mark.parametrize("tokens,fused", [(1, True), (16, True), (17, False)])
+def test_forward_routed_by_fuses_the_router_for_decode_batches(moe_gemv, monkeypatch, tokens, fused):
+    """FusedMoE.forward_routed_by: with CUDA-like tensors (use_triton patched true, the interpreter
+    running the kernels) decode batches route in the fused router kernel, larger ones through the
+    router module; the output is the layer's own either way."""
+    import metrale.kernels.moe_routing as moe_routing
+    import metrale.layers.moe.layer as layer_mod
+
+    layer, x, _ = _moe_layer(tokens, seed=tokens)
+    router = torch.nn.Linear(H, E, bias=False).to(DEVICE)
+    expected = layer(x, router(x))  # on CPU: the PyTorch routing and reference experts
+    calls = []
+    fused_kernel = moe_routing.router_softmax_topk_triton
+    monkeypatch.setattr(moe_routing, "router_softmax_topk_triton",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or fused_kernel(*a, **k))
+    monkeypatch.setattr(layer_mod, "use_triton", lambda t: True)
+    torch.testing.assert_close(layer.forward_routed_by(x, router), expected, rtol=1e-5, atol=1e-5)
+    assert calls == ([tokens] if fused else [])
+    # a router with a bias, or routing the kernel does not do, goes through the router module
+    calls.clear()
+    biased = torch.nn.Linear(H, E, bias=True).to(DEVICE)
+    layer.forward_routed_by(x, biased)
+    assert calls == []

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from metrale.kernels import use_triton
+from metrale.kernels import moe_routing, use_triton
 from metrale.distributed.moe_layout import MoEParallelLayout, get_moe_layout
 from metrale.layers.deferred_weights import new_weight
 from metrale.layers.moe.reference import fused_experts_reference
@@ -133,7 +133,32 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], router_logits [T, num_experts] -> [T, H], summed over the layout's ranks."""
-        topk_weights, topk_ids = self.route(router_logits)
+        return self._experts_of(hidden, *self.route(router_logits))
+
+    def forward_routed_by(self, hidden: torch.Tensor, router: nn.Module) -> torch.Tensor:
+        """`self(hidden, router(hidden))` for a plain linear router (its `weight` [E, H], no bias,
+        in the model dtype). On CUDA, for the decode batches that take the small-batch GEMVs with
+        plain softmax routing, the router's GEMV and the top-k are one launch
+        (kernels/moe_routing.router_softmax_topk_triton)."""
+        if self._fuses_router(hidden, router):
+            topk_weights, topk_ids = moe_routing.router_softmax_topk_triton(
+                hidden, router.weight, self.top_k, self.renormalize, hidden.dtype)
+            return self._experts_of(hidden, topk_weights, topk_ids)
+        return self(hidden, router(hidden))
+
+    def _fuses_router(self, hidden: torch.Tensor, router: nn.Module) -> bool:
+        from metrale.kernels.moe_gemv import use_small_batch
+
+        weight = getattr(router, "weight", None)
+        return (self.scoring == "softmax" and self.e_score_correction_bias is None and self.num_expert_groups == 1
+                and self.routed_scaling_factor == 1.0 and getattr(router, "bias", None) is None
+                and getattr(router, "fp8", None) is None and isinstance(weight, torch.Tensor)
+                and weight.dtype == hidden.dtype and weight.shape == (self.num_experts, self.hidden_size)
+                and hidden.dim() == 2 and hidden.stride(1) == 1 and use_triton(hidden)
+                and moe_routing.supports(self.num_experts, self.top_k)
+                and use_small_batch(hidden.shape[0], self.local_intermediate))
+
+    def _experts_of(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             if self.swiglu_limit is not None:
                 raise NotImplementedError("FP8 experts with a swiglu_limit (GLM-5.3) are not implemented")
