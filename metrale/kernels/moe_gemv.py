@@ -289,12 +289,21 @@ def _down_kernel(
 
 
 @triton.jit
+def _assignment_acc(acc, w, a_ptrs, mask):
+    # acc [BLOCK_N, BLOCK_K // VEC] += sum over the thread-local VEC axis of w * act (act loaded in
+    # w's own [BLOCK_N, BLOCK_K // VEC, VEC] shape: each thread its elements, the repeats from L1).
+    act = tl.load(a_ptrs, mask=mask, other=0.0)
+    return acc + tl.sum(w.to(tl.float32) * act.to(tl.float32), axis=2)
+
+
+@triton.jit
 def _down_per_assignment_kernel(
     act_ptr, w2_ptr, ids_ptr, weights_ptr, part_ptr, arrivals_ptr, out_ptr,
     hidden_size, inter_size, expert_start, num_local,
     stride_am, stride_we, stride_wn, stride_om,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    VEC: tl.constexpr, EVEN_K: tl.constexpr, FULL_CHUNKS: tl.constexpr, PDL: tl.constexpr,
+    VEC: tl.constexpr, EVEN_K: tl.constexpr, FULL_CHUNKS: tl.constexpr, UNROLLED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # grid: (num_assign, cdiv(H, BLOCK_N)). part[a, n] = w_a * (act[a] . w2[e_a, n]) (rounded as the
     # reference rounds), then out[t, n] = sum_j part[t*k+j, n] by the token's last program to arrive.
@@ -316,20 +325,22 @@ def _down_per_assignment_kernel(
     a_ptrs = act_ptr + a.to(tl.int64) * stride_am + kk[None, :, :] + 0 * rows[:, None, None]
 
     acc = tl.full([BLOCK_N, BLOCK_K // VEC], 0.0, tl.float32)
-    for c in tl.static_range(FULL_CHUNKS):
-        w = tl.load(w_ptrs + c * BLOCK_K, mask=emask, other=0.0)
-        if c == 0:
-            pdl_wait(PDL)  # act is stage 1's
-        x = tl.load(a_ptrs + c * BLOCK_K, mask=emask, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2)
-    if FULL_CHUNKS == 0:
+    k_full = FULL_CHUNKS * BLOCK_K  # FULL_CHUNKS = inter_size // BLOCK_K
+    if UNROLLED:
+        for c in tl.static_range(FULL_CHUNKS):
+            w = tl.load(w_ptrs + c * BLOCK_K, mask=emask, other=0.0)
+            if c == 0:
+                pdl_wait(PDL)  # act is stage 1's; the first chunk of weights streams in meanwhile
+            acc = _assignment_acc(acc, w, a_ptrs + c * BLOCK_K, emask)
+        if FULL_CHUNKS == 0:
+            pdl_wait(PDL)
+    else:
         pdl_wait(PDL)
+        for k0 in range(0, k_full, BLOCK_K):
+            acc = _assignment_acc(acc, tl.load(w_ptrs + k0, mask=emask, other=0.0), a_ptrs + k0, emask)
     if not EVEN_K:  # the partial last chunk
-        k_full = FULL_CHUNKS * BLOCK_K
         mask = emask & ((k_full + kk) < inter_size)[None, :, :]
-        w = tl.load(w_ptrs + k_full, mask=mask, other=0.0)
-        x = tl.load(a_ptrs + k_full, mask=mask, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2)
+        acc = _assignment_acc(acc, tl.load(w_ptrs + k_full, mask=mask, other=0.0), a_ptrs + k_full, mask)
 
     dtype = out_ptr.dtype.element_ty
     y = tl.sum(acc, axis=1).to(dtype).to(tl.float32)  # [BLOCK_N]: F.linear's outputs
@@ -413,7 +424,7 @@ def launch_down(act, w2, ids, weights, out, expert_start: int, cfg: MoeGemvConfi
             act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
             TOP_K=top_k, BLOCK_E=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k2,
             VEC=_vec(act.dtype, cfg.block_k2), EVEN_K=inter_size % cfg.block_k2 == 0,
-            FULL_CHUNKS=inter_size // cfg.block_k2, num_warps=cfg.warps2, **pdl_args(),
+            FULL_CHUNKS=inter_size // cfg.block_k2, UNROLLED=cfg.unrolled, num_warps=cfg.warps2, **pdl_args(),
         )
         return
     grid = (out.shape[0], triton.cdiv(hidden_size, cfg.block_n))

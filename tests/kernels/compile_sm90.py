@@ -131,7 +131,7 @@ KERNELS = {
         **{name: INT for name in ("hidden_size", "inter_size", "expert_start", "num_local", "stride_am", "stride_we",
                                   "stride_wn", "stride_om")}},
         {"TOP_K": top_k, "BLOCK_E": block_e, "BLOCK_N": 8, "BLOCK_K": 128, "VEC": 8, "EVEN_K": True,
-         "FULL_CHUNKS": inter // 128, "PDL": True}, 4)
+         "FULL_CHUNKS": inter // 128, "UNROLLED": True, "PDL": True}, 4)
        for inter, top_k, block_e in ((512, 10, 16), (768, 8, 8))},
     # The FP8 MoE experts of Qwen3-30B-A3B-FP8 (128 experts, top-8, hidden 2048, expert intermediate
     # 768, [128, 128] blocks, bf16 activations): the grouped GEMM at the tiles of fp8_moe_gemm_config,

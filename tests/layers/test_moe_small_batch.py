@@ -252,6 +252,8 @@ def test_per_assignment_stage_two(moe_gemv, tokens, top_k, expert_start, num_loc
     (48, 24, dict(block_i=16, block_k1=32, warps1=1, block_n=32, block_k2=16, warps2=1, per_assignment=True)),
     (40, 20, dict(block_i=32, block_k1=64, warps1=1, block_n=64, block_k2=32, warps2=1, per_assignment=True)),
     (40, 20, dict(block_i=8, block_k1=16, warps1=1, block_n=16, block_k2=8, warps2=2, per_assignment=True)),
+    (48, 24, dict(block_i=16, block_k1=32, warps1=1, block_n=32, block_k2=16, warps2=1, per_assignment=True,
+                  unrolled=True)),
 ])
 def test_stage_two_variants_odd_shapes(moe_gemv, hidden, inter, tiles):
     w13, w2 = _weights(E, hidden, inter)
