@@ -45,7 +45,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=",".join(SHAPES),
                    help="comma-separated names from: " + ", ".join(SHAPES) + " (or NxK, e.g. 4096x4096)")
-    p.add_argument("--m", default="1,2,4", help="comma-separated row counts, each 1..4")
+    p.add_argument("--m", default="1,2,4", help="comma-separated row counts, each 1..4 (the GEMV's MAX_M)")
+    p.add_argument("--configs", default=None,
+                   help="replace the grid: comma-separated block_n/row-bytes-per-chunk/num_warps/num_stages, "
+                        "e.g. 1/8192/8/1,2/8192/8/1")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--calls", type=int, default=20, help="back-to-back calls per CUDA graph")
     p.add_argument("--replays", type=int, default=30, help="timed graph replays (the median is kept)")
@@ -71,6 +74,13 @@ def parse_args(argv=None):
         p.error(f"--m: expected comma-separated integers, got {args.m!r}")
     if not args.m or any(not 1 <= m <= 4 for m in args.m):
         p.error("--m: each value must be in 1..4")
+    try:
+        args.configs = None if args.configs is None else \
+            [tuple(int(v) for v in c.split("/")) for c in args.configs.split(",")]
+    except ValueError:
+        p.error(f"--configs: expected bn/bytes/warps/stages,..., got {args.configs!r}")
+    if args.configs is not None and any(len(c) != 4 for c in args.configs):
+        p.error("--configs: each entry is block_n/row-bytes-per-chunk/num_warps/num_stages")
     if args.calls < 1 or args.replays < 1 or args.max_configs < 1 or args.compile_workers < 0:
         p.error("--calls, --replays and --max-configs must be positive, --compile-workers >= 0")
     return args
@@ -140,13 +150,13 @@ GRID = [
 ]
 
 
-def candidate_configs(gemv_mod, N, K, dtype, max_configs):
-    """The M=1 default first, then GRID, pruned to valid configs (every warp along K, the
+def candidate_configs(gemv_mod, N, K, dtype, max_configs, grid=None):
+    """The M=1 default first, then `grid` (default GRID), pruned to valid configs (every warp along K, the
     shared-memory ring within budget, the chunk no wider than K), at most max_configs."""
     elem = torch.empty((), dtype=dtype).element_size()
     vec = 16 // elem
     out = [gemv_mod.gemv_config(1, N, K, dtype)]
-    for bn, chunk_bytes, nw, ns in GRID:
+    for bn, chunk_bytes, nw, ns in grid or GRID:
         bk = chunk_bytes // elem
         nw = max(1, min(nw, bk // (vec * 32)))  # warps along K only (see the kernel's docstring)
         c = gemv_mod.GemvConfig(bn, bk, nw, ns)
@@ -201,7 +211,7 @@ def main(argv=None):
         print("gemv_bench.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
               file=sys.stderr)
         return 1
-    from metrale.kernels import HAS_TRITON, gemv as gemv_mod
+    from metrale.kernels import HAS_TRITON, gemv as gemv_mod, skinny_gemm as skinny
 
     if not HAS_TRITON:
         print("gemv_bench.py needs triton (not importable); nothing measured.", file=sys.stderr)
@@ -221,7 +231,7 @@ def main(argv=None):
     plan = []
     for name, N, K in args.shapes:
         configs = [gemv_mod.gemv_config(1, N, K, dtype)] if args.default_only else \
-            candidate_configs(gemv_mod, N, K, dtype, args.max_configs)
+            candidate_configs(gemv_mod, N, K, dtype, args.max_configs, args.configs)
         plan.append((name, N, K, configs))
     if args.compile_workers > 0:
         jobs = []
@@ -247,6 +257,10 @@ def main(argv=None):
             x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
             ref = F.linear(x, weights[0])
             t_cublas = time_graph(lambda i: F.linear(x, weights[i % copies]), args.calls, args.replays)
+            t_skinny = math.nan
+            if M >= skinny.MIN_M:  # the tensor-core kernel the layers take at 2..16 rows, at its default
+                t_skinny = time_graph(lambda i: skinny.skinny_gemm_triton(x, weights[i % copies]),
+                                      args.calls, args.replays)
             default = gemv_mod.gemv_config(M, N, K, dtype)
             results = {}
             for c in dict.fromkeys([default, *configs]):
@@ -263,8 +277,9 @@ def main(argv=None):
                     _log(f"  M={M} {fmt_cfg(c)}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
             best = min(results, key=results.get)
             shape_results[M] = (t_cublas, results)
-            rows.append((name, N, K, M, wbytes, t_cublas, default, results.get(default, math.nan), best, results[best]))
-            _log(f"  M={M}: cuBLAS {t_cublas:.2f} us, default {rows[-1][7]:.2f} us, best {results[best]:.2f} us "
+            rows.append((name, N, K, M, wbytes, t_cublas, t_skinny, default, results.get(default, math.nan), best, results[best]))
+            _log(f"  M={M}: cuBLAS {t_cublas:.2f} us, skinny {t_skinny:.2f} us, default {rows[-1][8]:.2f} us, "
+                 f"best {results[best]:.2f} us "
                  f"({fmt_cfg(best)})")
         # the config with the least total time over the M values (among those measured at every M)
         common = [c for c in dict.fromkeys(c for _, res in shape_results.values() for c in res)
@@ -278,13 +293,14 @@ def main(argv=None):
     def pct(t, nbytes):
         return 100.0 * nbytes / (t * 1e-6) / bw
 
-    print("| shape | N | K | M | weight MB | cuBLAS us | Triton default us | best config (bn/bk/warps/stages) "
-          "| best us | cuBLAS %BW | default %BW | best %BW | best vs cuBLAS |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
-    for name, N, K, M, wbytes, t_cb, dflt, t_d, best, t_b in rows:
+    print("| shape | N | K | M | weight MB | cuBLAS us | skinny us | GEMV default us | best config (bn/bk/warps/stages) "
+          "| best us | cuBLAS %BW | skinny %BW | default %BW | best %BW | best vs cuBLAS |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    for name, N, K, M, wbytes, t_cb, t_sk, dflt, t_d, best, t_b in rows:
         cfg_s = f"{best.block_n}/{best.block_k}/{best.num_warps}/{best.num_stages}" + (" (default)" if best == dflt else "")
-        print(f"| {name} | {N} | {K} | {M} | {wbytes / 1e6:.1f} | {t_cb:.2f} | {t_d:.2f} | {cfg_s} | {t_b:.2f} "
-              f"| {pct(t_cb, wbytes):.0f}% | {pct(t_d, wbytes):.0f}% | {pct(t_b, wbytes):.0f}% | {t_cb / t_b:.2f}x |")
+        print(f"| {name} | {N} | {K} | {M} | {wbytes / 1e6:.1f} | {t_cb:.2f} | {t_sk:.2f} | {t_d:.2f} | {cfg_s} "
+              f"| {t_b:.2f} | {pct(t_cb, wbytes):.0f}% | {pct(t_sk, wbytes):.0f}% | {pct(t_d, wbytes):.0f}% "
+              f"| {pct(t_b, wbytes):.0f}% | {t_cb / t_b:.2f}x |")
     print()
     for name, N, K, win, per_m in winners:
         times = ", ".join(f"M={M} {t:.2f} us (cuBLAS {t_cb:.2f})" for M, t, t_cb in per_m)

@@ -72,14 +72,7 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.fp8 is not None:
             return self.fp8.matmul(self, x, bias)
-        # One token (batch-1 decode) reads the weight once: on CUDA the Triton GEMV beats cuBLAS
-        # on every projection of Qwen3-8B at one row (benchmarks/gemv_bench.py). 2..16 rows: the
-        # skinny tensor-core GEMM on the shapes where it beat cuBLAS (see SKINNY_GEMM). Else F.linear.
-        if _one_row(x):
-            return gemv(x, self.weight, bias)
-        if _skinny_shape(x, self.weight):
-            return skinny_gemm(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
+        return dense_linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -89,11 +82,31 @@ class LinearBase(nn.Module):
             self.fp8.finish_loading(self)
 
 
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) on the kernel that reads a dense weight fastest at x's row count
+    (the linear layers and the LM head). A decode-sized x is bound by reading the weight once from
+    HBM: on CUDA one row takes the Triton GEMV (it beats cuBLAS on every projection of Qwen3-8B
+    and on its LM head, benchmarks/gemv_bench.py), 2..16 rows the skinny tensor-core GEMM on the
+    shapes where it beat cuBLAS (see SKINNY_GEMM); everything else F.linear."""
+    if _one_row(x):
+        return gemv(x, weight, bias)
+    if _skinny_shape(x, weight):
+        return skinny_gemm(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
 def _one_row(x: torch.Tensor) -> bool:
+    """The GEMV's rows. Built for up to 8 rows and swept in one H200 job, it tied the skinny GEMM at
+    2 rows and lost from 3 on (every extra row costs FMAs: at 5 rows 21.3 us on qkv against the
+    skinny's 15.3, 88.6 on gate_up against cuBLAS's 48.3; docs/benchmarks.md)."""
     return x.numel() == x.shape[-1]
 
 
-# Whether linear layers take the skinny GEMM (kernels/skinny_gemm.py, launched without PDL) for
+# Whether dense_linear takes the skinny GEMM (kernels/skinny_gemm.py, launched without PDL) for
 # 2..16 rows. On: in one H200 job at `5a226ea` (benchmarks/spec_verify_bench.py, Qwen3-8B, batch 1)
 # verify steps with k = 1 / 2 / 4 drafts took 1.112 / 1.117 / 1.164x a plain step with it and
 # 1.133 / 1.140 / 1.189x on cuBLAS. Taking gate_up too (N = 24576) lost (1.124 / 1.132 / 1.179x),
@@ -104,10 +117,7 @@ SKINNY_GEMM = True
 def _skinny_shape(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """With SKINNY_GEMM: 2..16 rows on a weight of the shapes the skinny GEMM beat cuBLAS on
     (K >= 4096, N <= 8192: Qwen3-8B's qkv, o_proj and down on an H200)."""
-    if not SKINNY_GEMM:
-        return False
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return 2 <= rows <= 16 and weight.shape[1] >= 4096 and weight.shape[0] <= 8192
+    return SKINNY_GEMM and 2 <= _rows(x) <= 16 and weight.shape[1] >= 4096 and weight.shape[0] <= 8192
 
 
 class ReplicatedLinear(LinearBase):

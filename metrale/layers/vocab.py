@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.distributed.parallel_state import get_tp_group
+from metrale.layers.linear import dense_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -54,5 +55,5 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = nn.Parameter(self.weight.detach().to(dtype), requires_grad=False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden.to(self.weight.dtype), self.weight)
+        logits = dense_linear(hidden.to(self.weight.dtype), self.weight)
         return self.tp.all_gather_last_dim(logits)[..., :self.vocab_size]
