@@ -251,9 +251,13 @@ def run(args: argparse.Namespace) -> dict:
     if len(runs) > 1:
         _table(runs)
     out = runs[0] if len(runs) == 1 else {"benchmark": "serve", "runs": runs}
-    if args.output_json:
+    if args.output_json:  # strict JSON: an unbounded rate is written "inf", as vLLM's results write it
+        def strict(run):
+            return {**run, "request_rate": "inf"} if run["request_rate"] == float("inf") else run
+
+        written = strict(out) if len(runs) == 1 else {**out, "runs": [strict(r) for r in runs]}
         with open(args.output_json, "w") as f:
-            json.dump(out, f, indent=2)
+            json.dump(written, f, indent=2, allow_nan=False)
     return out
 
 
