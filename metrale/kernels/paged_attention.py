@@ -65,6 +65,12 @@ def _attend_tile(
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    if MASK_CAUSAL:
+        # A causal tile may hold keys no row of this step wrote: a prefill graph's padding rows
+        # (executor/cuda_graphs.PrefillGraphs) count as the sequence's last positions but leave the
+        # cache unwritten. A real row gives them p = 0, and 0 x NaN (or Inf) garbage would still
+        # poison its sum, so any value that is not finite is read as 0.
+        v = tl.where(tl.abs(v) < float("inf"), v, 0.0)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
     return acc, m_new, l_i
 
