@@ -40,7 +40,7 @@ import torch
 
 from metrale.executor.sampler import SamplingRow, _apply_penalties, _filter, stream_seed
 from metrale.kernels import use_triton
-from metrale.kernels.rejection_sampling import counter_uniforms, rejection_sample_triton
+from metrale.kernels.rejection_sampling import counter_uniforms_rows, rejection_sample_triton
 
 # Mixed into the seed of the accept tests' stream, so it is independent of the draws' stream.
 _ACCEPT_SALT = 0x5EC0DEC0DE
@@ -58,7 +58,7 @@ def _streams(device, seed: int, first_index: int, count: int, vocab: int, salt: 
     elements = torch.arange(max(vocab, 1), dtype=torch.int64, device=device)
     if count == 0:
         return torch.empty((0, vocab) if vocab else (0,), device=device)
-    out = torch.stack([counter_uniforms(stream_seed(seed ^ salt, first_index + j), elements) for j in range(count)])
+    out = counter_uniforms_rows([stream_seed(seed ^ salt, first_index + j) for j in range(count)], elements)
     return -out.log() if vocab else out[:, 0]
 
 

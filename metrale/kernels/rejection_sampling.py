@@ -55,14 +55,26 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _mix32_int(x: int) -> int:
+    """_mix32 of one Python int (a uint32): the same arithmetic, without a tensor per operation."""
+    x ^= x >> 16
+    x = (x * _MUL1) & _MASK32
+    x ^= x >> 15
+    x = (x * _MUL2) & _MASK32
+    return x ^ (x >> 16)
+
+
+def counter_uniforms_rows(keys: list[int], elements: torch.Tensor) -> torch.Tensor:
+    """[len(keys), len(elements)]: row i is `counter_uniforms(keys[i], elements)`, in one pass."""
+    bases = [_mix32_int((key & _MASK32) ^ _mix32_int((key >> 32) & _MASK32)) for key in keys]
+    h = _mix32(torch.tensor(bases, dtype=torch.int64, device=elements.device)[:, None] ^ elements[None, :])
+    return ((h >> 9) * 2 + 1).to(torch.float32) * (1.0 / (1 << 24))
+
+
 def counter_uniforms(key: int, elements: torch.Tensor) -> torch.Tensor:
     """float32 uniforms in (0, 1), one per element (int64 tensor of values < 2^32), of the stream
     `key` (a 64-bit int): (2 * (h >> 9) + 1) / 2^24 for h = hash(key, element), exact in fp32."""
-    lo, hi = key & _MASK32, (key >> 32) & _MASK32
-    base = _mix32(torch.tensor(lo, dtype=torch.int64, device=elements.device) ^ _mix32(
-        torch.tensor(hi, dtype=torch.int64, device=elements.device)))
-    h = _mix32(base ^ elements)
-    return ((h >> 9) * 2 + 1).to(torch.float32) * (1.0 / (1 << 24))
+    return counter_uniforms_rows([key], elements)[0]
 
 
 @triton.jit
