@@ -77,7 +77,7 @@ def test_greedy(device):
 def test_distribution_matches_reference(device):
     """N draws per config (distinct offsets): every draw is in the reference support,
     and empirical frequencies match the reference probabilities."""
-    n_draws = 512
+    n_draws = 256
     rows = [c for c in CONFIGS for _ in range(n_draws)]
     logits = BASE.repeat(len(rows), 1).to(device)
     params = _params(rows, device)
@@ -200,7 +200,7 @@ def test_vocab_parallel_path_without_min_p_skips_the_row_max(device):
 
 
 def test_vocab_parallel_distribution_matches_reference(device):
-    n_draws = 512
+    n_draws = 256
     configs = UNFILTERED[1:]
     rows = [c for c in configs for _ in range(n_draws)]
     logits = BASE.repeat(len(rows), 1).to(device)
