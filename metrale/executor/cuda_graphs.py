@@ -158,10 +158,9 @@ class CapturedGraphs:
         self.outputs: dict[int, GraphOutputs] = {}
         self.memory_bytes = 0
 
-    def _staging(self, like: torch.Tensor, purpose: str):
-        """A host buffer shaped as `like` (executor/host_staging.py), pinned on CUDA: copied in
-        without blocking, and reused once that copy has run."""
-        return self.runner.staging.take(f"{self.kind} {purpose}", like.shape, like.dtype)
+    def _staging(self, like: torch.Tensor) -> torch.Tensor:
+        """A host buffer shaped as a static buffer, pinned on CUDA (copied in without blocking)."""
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=self.device.type == "cuda")
 
     @torch.inference_mode()
     def capture(self, pool=None):
@@ -300,8 +299,8 @@ class VerifyGraphs(DecodeGraphs):
         layout, host = batch_inputs.layout, batch_inputs.host
         n, q = layout.num_seqs, self.query_len
         batch = next(s for s in self.sizes if s >= n)
-        row_buffers = self._staging(self.row_buffers, "rows")
-        rows = row_buffers.host.numpy()
+        row_buffers = self._staging(self.row_buffers)
+        rows = row_buffers.numpy()
         rows[:] = np.array([[0], [0], [-1]])  # dummy rows: token 0, their sequence's last position, no KV write
         full = host.input_ids.shape[0] == n * q  # every sequence has q real rows: no dummy rows among them
         placed = None if full else verify_rows(layout.query_lens_cpu, layout.seq_lens_cpu, q)
@@ -309,22 +308,22 @@ class VerifyGraphs(DecodeGraphs):
         rows[0, real] = host.input_ids
         rows[1, :n * q] = host.positions if full else placed.positions
         rows[2, real] = host.slot_mapping
-        seq_buffers = self._staging(self.seq_buffers, "sequences")
-        seqs = seq_buffers.host.numpy()
+        seq_buffers = self._staging(self.seq_buffers)
+        seqs = seq_buffers.numpy()
         seqs[:] = np.array([[0], [1], [self.runner.padding_slot]])  # padding sequences: no KV read, no owned state
         seqs[0, :n] = layout.seq_lens_cpu
         seqs[1, :n] = layout.query_lens_cpu
         seqs[2, :n] = host.state_slots
-        row_buffers.copy_into(self.row_buffers)
-        seq_buffers.copy_into(self.seq_buffers)
+        self.row_buffers.copy_(row_buffers, non_blocking=True)
+        self.seq_buffers.copy_(seq_buffers, non_blocking=True)
         width = layout.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(layout.block_tables)
         self.graphs[batch].replay()
         if full:  # the step's rows are the graph's first n * q
             return Replayed(self.outputs[batch], n * q, n)
-        index = self._staging(torch.from_numpy(placed.padded_rows), "row index")
-        index.host.numpy()[:] = placed.padded_rows
-        index = index.to(self.device)
+        index = self._staging(torch.from_numpy(placed.padded_rows))
+        index.numpy()[:] = placed.padded_rows
+        index = index.to(self.device, non_blocking=True)
         return Replayed(self.outputs[batch], index, n)
 
 
@@ -373,15 +372,15 @@ class PrefillGraphs(CapturedGraphs):
         layout, host = batch_inputs.layout, batch_inputs.host
         n = layout.query_lens_cpu[0]
         tokens = next(t for t in self.sizes if t >= n)
-        staged = self._staging(self.row_buffers, "rows")
-        rows = staged.host.numpy()
+        staged = self._staging(self.row_buffers)
+        rows = staged.numpy()
         rows[0] = 0  # padding rows: token 0, the positions after the prompt, no KV write
         rows[0, :n] = host.input_ids
         rows[1] = np.arange(rows.shape[1])
         rows[2] = -1
         rows[2, :n] = host.slot_mapping
         rows[3, 0] = n - 1
-        staged.copy_into(self.row_buffers)
+        self.row_buffers.copy_(staged, non_blocking=True)
         width = layout.block_tables.shape[1]  # entries past it are stale: only padding rows read them
         self.block_tables[:, :width].copy_(layout.block_tables)
         self.graphs[tokens].replay()
