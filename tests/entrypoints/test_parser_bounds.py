@@ -86,10 +86,12 @@ CASES = ([(f"{name}-{i}", lambda name=name: tool_call_parser(name, FUNCTIONS), t
 
 
 @pytest.mark.parametrize("make,text", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_500kb_adversarial_text_parses_within_a_second(make, text):
+def test_500kb_adversarial_text_parses_in_linear_time(make, text):
     assert len(text) >= SIZE - 100
-    assert cpu_seconds(make(), text, None) < 1.0
-    assert cpu_seconds(make(), text, 4) < 1.0  # streamed, a token's worth of characters at a time
+    # CPU seconds, not wall time; linear parsing takes ~0.3-1.5 s on 2-core CI machines, where a
+    # quadratic rescan of 500 KB would take minutes: 3 s tells them apart on a slow machine too.
+    assert cpu_seconds(make(), text, None) < 3.0
+    assert cpu_seconds(make(), text, 4) < 3.0  # streamed, a token's worth of characters at a time
 
 
 def test_the_event_loop_keeps_answering_while_a_long_reply_is_parsed():
