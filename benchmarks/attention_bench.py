@@ -8,6 +8,10 @@ back-to-back calls. The batch-1 case cycles through enough distinct sequences (t
 blocks) that no call finds its keys in L2, as a decoder layer would not.
 
     PYTHONPATH=. python3 benchmarks/attention_bench.py [--cases thr256,bs1_8b,prefill_8x1024] [--default-only]
+        [--kv-dtype fp8]
+
+--kv-dtype fp8 stores the caches in e4m3 (q and the output stay bf16), as `--kv-cache-dtype fp8`
+does, and adds 256-key tiles to the decode grid (the same bytes per tile as bf16's 128).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ CASES = {
 # (BLOCK_N, num_warps, num_stages); (BLOCK_N, num_warps, num_stages, splits) for batch 1. The
 # default (the kernel's own choice) is timed first in every case.
 DECODE_GRID = [(64, 4, 3), (64, 4, 2), (64, 4, 1), (128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 2, 2), (128, 2, 2)]
+FP8_DECODE_GRID = DECODE_GRID + [(128, 4, 4), (128, 8, 3), (256, 4, 2), (256, 8, 2), (256, 8, 3)]
 BS1_GRID = [(64, 4, 3, 16), (64, 4, 2, 16), (64, 4, 1, 8), (64, 4, 1, 32), (64, 2, 1, 16), (32, 4, 1, 16),
             (32, 2, 1, 32)]
 # (BLOCK_M, BLOCK_N, num_warps, num_stages)
@@ -51,8 +56,9 @@ def _log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def _paged(n_seqs, lengths, num_kv_heads, head_dim, dtype, gen):
-    """K/V caches holding each sequence in its own shuffled blocks, and the block table."""
+def _paged(n_seqs, lengths, num_kv_heads, head_dim, dtype, gen, kv_dtype=None):
+    """K/V caches (kv_dtype, default dtype) holding each sequence in its own shuffled blocks, and
+    the block table."""
     blocks_per = [-(-n // BLOCK_SIZE) for n in lengths]
     total = sum(blocks_per)
     perm = torch.randperm(total, generator=gen, device="cpu").to(torch.int32)
@@ -63,8 +69,8 @@ def _paged(n_seqs, lengths, num_kv_heads, head_dim, dtype, gen):
         table[i, :b] = perm[at:at + b]
         at += b
     shape = (total, BLOCK_SIZE, num_kv_heads, head_dim)
-    k = torch.randn(shape, dtype=dtype, device="cuda")
-    v = torch.randn(shape, dtype=dtype, device="cuda")
+    k = torch.randn(shape, dtype=dtype, device="cuda").to(kv_dtype or dtype)
+    v = torch.randn(shape, dtype=dtype, device="cuda").to(kv_dtype or dtype)
     return k, v, table.cuda()
 
 
@@ -87,7 +93,7 @@ def _sweep(name, configs, make_fn, calls, replays, describe):
     return out
 
 
-def run_decode(name, heads, kv_heads, d, n_seqs, ctx, configs, dtype, bw, calls, replays):
+def run_decode(name, heads, kv_heads, d, n_seqs, ctx, configs, dtype, bw, calls, replays, kv_dtype):
     from metrale.kernels.paged_attention import _decode_config, choose_num_kv_splits, decode_attention_triton
 
     rnd = random.Random(0)
@@ -96,7 +102,7 @@ def run_decode(name, heads, kv_heads, d, n_seqs, ctx, configs, dtype, bw, calls,
     # batch 1: one distinct sequence per call in the graph, so its keys are never L2-resident
     n_alloc = calls if batch1 else n_seqs
     lengths = [rnd.randint(*ctx) for _ in range(n_alloc)]
-    k, v, table = _paged(n_alloc, lengths, kv_heads, d, dtype, gen)
+    k, v, table = _paged(n_alloc, lengths, kv_heads, d, dtype, gen, kv_dtype)
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     q = torch.randn(n_alloc, heads, d, dtype=dtype, device="cuda")
     scale = d ** -0.5
@@ -104,9 +110,9 @@ def run_decode(name, heads, kv_heads, d, n_seqs, ctx, configs, dtype, bw, calls,
         wide = torch.zeros(n_alloc, 4096 // BLOCK_SIZE, dtype=torch.int32, device="cuda")
         wide[:, :table.shape[1]] = table
         table = wide
-        kv_bytes = 2 * sum(lengths) / n_alloc * kv_heads * d * dtype.itemsize
+        kv_bytes = 2 * sum(lengths) / n_alloc * kv_heads * d * kv_dtype.itemsize
     else:
-        kv_bytes = 2 * sum(lengths) * kv_heads * d * dtype.itemsize
+        kv_bytes = 2 * sum(lengths) * kv_heads * d * kv_dtype.itemsize
 
     def make_fn(cfg):
         kernel_cfg, splits = (cfg[:3], cfg[3]) if cfg is not None and len(cfg) == 4 else (cfg, None)
@@ -147,6 +153,7 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--default-only", action="store_true")
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="the caches' dtype (decode cases)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("attention_bench.py needs a CUDA GPU; nothing measured.", file=sys.stderr)
@@ -154,18 +161,19 @@ def main(argv=None):
     from metrale.kernels.paged_attention import _extend_config
 
     dtype = torch.bfloat16
+    kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else dtype
     bw = copy_bandwidth()
     t0 = time.time()
-    print(f"# {torch.cuda.get_device_name(0)}; copy bandwidth {bw / 1e12:.2f} TB/s; bf16; "
+    print(f"# {torch.cuda.get_device_name(0)}; copy bandwidth {bw / 1e12:.2f} TB/s; bf16, {args.kv_dtype} KV; "
           f"median of {args.replays} replays of {args.calls} calls\n")
     print("| case | config | time | figure |\n|---|---|---|---|")
     for name in filter(None, args.cases.split(",")):
         kind, heads, kv_heads, d, n_seqs, size = CASES[name]
         if kind == "decode":
-            grid = BS1_GRID if n_seqs == 1 else DECODE_GRID
+            grid = BS1_GRID if n_seqs == 1 else FP8_DECODE_GRID if args.kv_dtype == "fp8" else DECODE_GRID
             configs = [None] + ([] if args.default_only else grid)  # None: the kernel's own choice
             res, kv_bytes, default = run_decode(name, heads, kv_heads, d, n_seqs, size, configs, dtype, bw,
-                                                args.calls, args.replays)
+                                                args.calls, args.replays, kv_dtype)
             for cfg, us in sorted(res.items(), key=lambda kv: kv[1]):
                 label = f"default {default}" if cfg is None else str(cfg)
                 print(f"| {name} | {label} | {us:.2f} us | {kv_bytes / us / 1e6 / bw * 1e12:.1%} of copy BW |")

@@ -108,6 +108,7 @@ def main():
     parser.add_argument("--programmatic-launch", action=argparse.BooleanOptionalAction, default=None,
                         help="steady-state profile: launch with programmatic dependent launch (default: the engine's, "
                              "on where supported); off gives each kernel's own time, which PDL's early starts inflate")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="steady-state profile: auto (the model's) or fp8")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="for --first-token (default: the engine's, on with CUDA)")
     args = parser.parse_args()
@@ -118,7 +119,8 @@ def main():
     work = random_workload(args.num_prompts, (100, 1024), (100, 1024), 0)
     llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
               max_num_seqs=args.max_num_seqs, tp_size=args.tp_size, ep_size=args.ep_size,
-              hf_overrides=args.hf_overrides, programmatic_launch=args.programmatic_launch)
+              hf_overrides=args.hf_overrides, programmatic_launch=args.programmatic_launch,
+              kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.llm_engine
     for i, (p, sp) in enumerate(zip(work.prompts, work.params)):
         engine.add_request(str(i), {"prompt_token_ids": p}, sp.clone(output_kind="final_only"))
