@@ -15,7 +15,10 @@ input views in the runner), so the variants are few and known:
   * the sampler's two paths for temperature sampling (a program per row and chunk below the
     SM count, a program per row at or above it);
   * the structured-output token bitmask, on logits of the LM head's dtype and of float32 (a
-    batch with penalties), so the first constrained request compiles nothing.
+    batch with penalties), so the first constrained request compiles nothing;
+  * the grouped MoE GEMMs' tiles, which depend on the step's token count (a table measured per
+    shape, layers/moe/triton_moe.py): every pair a step up to the token budget can take, per
+    distinct bf16 expert shape.
 Decode CUDA graphs compile their kernels when they are captured. Filters (top-k, top-p,
 min-p) compile on the first request that uses them.
 """
@@ -31,7 +34,7 @@ import torch
 
 from metrale.executor.sampler import SamplingRow, sample_tokens
 from metrale.executor.startup_passes import forward_whole, prefill_plan
-from metrale.kernels import num_sms
+from metrale.kernels import HAS_TRITON, num_sms
 from metrale.kernels.token_bitmask import apply_token_bitmask
 from metrale.messages.sampling_params import SamplingParams
 from metrale.messages.scheduler_output import CachedRequestData, SchedulerOutput
@@ -48,10 +51,10 @@ INTERPRETED_PREFILL_LENGTHS = (1, 33)
 INTERPRETED_DECODE_CONTEXT = 40
 
 
-def warm_up_steps(runner, max_num_seqs: int) -> list[tuple[str, Callable[[], None]]]:
+def warm_up_steps(runner, max_num_seqs: int, max_num_tokens: int = 0) -> list[tuple[str, Callable[[], None]]]:
     """The warm-up as named steps, each one forward (or sampler call) reaching the variants
     above. Each uses the KV pool from block 0 (nothing else holds it at startup) and leaves no
-    request behind."""
+    request behind. max_num_tokens: the step token budget (0: no MoE tiles step)."""
     vocab = runner.model_config.vocab_size
     pool_tokens = runner.caches.num_blocks * runner.block_size
     interpreted = runner.device.type != "cuda"
@@ -76,11 +79,33 @@ def warm_up_steps(runner, max_num_seqs: int) -> list[tuple[str, Callable[[], Non
         steps.append(("decode", functools.partial(_decode_once, runner, vocab, context)))
     steps += [(f"sample {rows}", functools.partial(sample, rows))
               for rows in sorted({1, min(max_num_seqs, num_sms(runner.device))})]
+    if max_num_tokens and not interpreted and HAS_TRITON:
+        steps += [(f"moe tiles {tuple(layer.w13.shape)}", functools.partial(_moe_tiles, layer, max_num_tokens))
+                  for layer in _distinct_bf16_experts(runner.model)]
     if runner.grammars is not None:
         dtypes = dict.fromkeys([runner.model_config.dtype, torch.float32])
         steps += [(f"token bitmask {str(dtype).removeprefix('torch.')}", functools.partial(_bitmask, runner, dtype))
                   for dtype in dtypes]
     return steps
+
+
+def _distinct_bf16_experts(model) -> list:
+    """One FusedMoE layer per distinct (weight shape, dtype, top-k, clamp) whose experts take the
+    grouped GEMMs (FP8 experts have their own kernels)."""
+    from metrale.layers.moe import FusedMoE
+
+    seen = {}
+    for module in model.modules():
+        if isinstance(module, FusedMoE) and module.fp8 is None and module.w13.numel():
+            key = (tuple(module.w13.shape), module.w13.dtype, module.top_k, module.swiglu_limit)
+            seen.setdefault(key, module)
+    return list(seen.values())
+
+
+def _moe_tiles(layer, max_num_tokens: int) -> None:
+    from metrale.layers.moe.triton_moe import compile_tiles
+
+    compile_tiles(layer.w13, layer.w2, layer.top_k, max_num_tokens, layer.expert_start, layer.swiglu_limit)
 
 
 def _bitmask(runner, dtype: torch.dtype) -> None:

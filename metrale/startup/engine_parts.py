@@ -156,7 +156,8 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
                 # the same forwards on every rank (collectives); a step that cannot build its kernels
                 # is recorded and the others still run, so the report lists every failure
                 with runner.kernel_context(), torch.inference_mode():
-                    run_audited(report, warm_up_steps(runner, plan.max_num_seqs))
+                    run_audited(report, warm_up_steps(runner, plan.max_num_seqs,
+                                                      args.step_token_budget(runner.device.type)))
         except Exception as launch_error:
             if not report.unresolved:
                 raise

@@ -1,7 +1,9 @@
 """FusedMoE: routing semantics, the expert-parallel / tensor-parallel split, checkpoint layouts,
 and the Triton grouped GEMM against the PyTorch reference (CPU interpreter without CUDA)."""
 
+import functools
 import importlib
+import json
 import os
 import sys
 
@@ -189,12 +191,18 @@ def test_alignment_groups_assignments_into_single_expert_tiles(triton_moe):
     assert sorted(seen) == [i for i, e in enumerate(flat.tolist()) if e in (2, 3)]
 
 
+def _configs(triton_moe, block_m, gate_up, down):
+    """(GEMM 1, GEMM 2) configs from (block_n, block_k) pairs."""
+    return triton_moe.MoeGemmConfig(block_m, *gate_up), triton_moe.MoeGemmConfig(block_m, *down)
+
+
 @pytest.mark.parametrize("tokens,experts,top_k,expert_start,num_local,blocks", [
-    (1, 4, 2, 0, 4, (16, 32, 16)),     # one decode token
-    (13, 4, 2, 0, 4, (16, 32, 16)),    # some experts get no token
-    (40, 4, 2, 0, 4, (16, 64, 32)),    # runs longer than a tile; N not a multiple of BLOCK_N
-    (24, 8, 3, 4, 4, (16, 32, 32)),    # the upper half of the experts, top-3
-    (0, 4, 2, 0, 4, (16, 32, 16)),     # empty batch
+    (1, 4, 2, 0, 4, (16, (32, 16), (32, 16))),     # one decode token
+    (13, 4, 2, 0, 4, (16, (32, 16), (16, 32))),    # some experts get no token; K a multiple of BLOCK_K
+    (40, 4, 2, 0, 4, (16, (64, 32), (64, 32))),    # runs longer than a tile; N and K not multiples of the tile
+    (24, 8, 3, 4, 4, (16, (32, 32), (32, 16))),    # the upper half of the experts, top-3
+    (70, 4, 2, 0, 4, (32, (16, 16), (32, 16))),    # 32-row tiles, several N tiles of act
+    (0, 4, 2, 0, 4, (16, (32, 16), (32, 16))),     # empty batch
 ])
 def test_triton_matches_reference(triton_moe, tokens, experts, top_k, expert_start, num_local, blocks):
     g = torch.Generator().manual_seed(tokens + experts)
@@ -204,8 +212,69 @@ def test_triton_matches_reference(triton_moe, tokens, experts, top_k, expert_sta
     w2 = (torch.randn(num_local, hidden, inter, generator=g) * 0.2).to(DEVICE)
     weights, ids = select_experts(torch.randn(tokens, experts, generator=g).to(DEVICE), top_k)
     expected = fused_experts_reference(x, w13, w2, weights, ids, expert_start)
-    got = triton_moe.fused_experts_triton(x, w13, w2, weights, ids, expert_start, block_sizes=blocks)
+    got = triton_moe.fused_experts_triton(x, w13, w2, weights, ids, expert_start,
+                                          configs=_configs(triton_moe, *blocks))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_triton_default_configs_match_reference(triton_moe):
+    # the rule's tiles (what the interpreter and untabled shapes take), 128-wide K steps over K = 32
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 32, generator=g).to(DEVICE)
+    w13 = (torch.randn(4, 96, 32, generator=g) * 0.2).to(DEVICE)
+    w2 = (torch.randn(4, 32, 48, generator=g) * 0.2).to(DEVICE)
+    weights, ids = select_experts(torch.randn(20, 4, generator=g).to(DEVICE), 2)
+    got = triton_moe.fused_experts_triton(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, fused_experts_reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
+
+
+def test_moe_gemm_config_rule_and_table(triton_moe, monkeypatch, tmp_path):
+    rule = triton_moe._rule_configs
+    assert rule(8 * 64, 128, 2048, 768) == (triton_moe.MoeGemmConfig(16, 64, 128), triton_moe.MoeGemmConfig(16, 64, 128))
+    assert rule(8 * 4096, 128, 2048, 768)[0].block_m == 64  # 256 assignments per expert
+    assert rule(8 * 4096, 128, 2048, 40)[1].block_k == 64  # K = 40: one 64-wide step
+    # a table entry wins for its shape and capability; the smallest measured token count >= T
+    table = tmp_path / "t.json"
+    entry = dict(capability=[9, 0], experts=128, top_k=8, hidden=2048, intermediate=768, dtype="bfloat16")
+    table.write_text(json.dumps({"entries": [
+        dict(entry, tokens=256, gate_up=[64, 64, 128, 4, 3], down=[64, 128, 64, 8, 4]),
+        dict(entry, tokens=64, gate_up=[16, 32, 128, 4, 3], down=[16, 64, 128, 4, 3])]}))
+    monkeypatch.setattr(triton_moe, "TUNED_TABLE", str(table))
+    triton_moe._tuned_table.cache_clear()
+    monkeypatch.setattr(triton_moe, "interpret_mode", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    gpu = torch.device("cuda", 0)
+    pick = functools.partial(triton_moe.moe_gemm_configs, num_experts=128, top_k=8, hidden=2048, inter=768,
+                             dtype=torch.bfloat16, device=gpu)
+    try:
+        assert pick(8 * 20) == (triton_moe.MoeGemmConfig(16, 32, 128, 4, 3), triton_moe.MoeGemmConfig(16, 64, 128, 4, 3))
+        assert pick(8 * 65)[1] == triton_moe.MoeGemmConfig(64, 128, 64, 8, 4)
+        assert pick(8 * 5000)[1] == triton_moe.MoeGemmConfig(64, 128, 64, 8, 4)  # past the end: the largest
+        # what the warm-up compiles: every pair a step of up to 300 tokens picks, once each
+        assert triton_moe.configs_up_to(300, 128, 8, 2048, 768, torch.bfloat16, gpu) == [pick(8), pick(8 * 256)]
+        assert pick(8 * 20, inter=512) == rule(8 * 20, 128, 2048, 512)  # another shape: the rule
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        triton_moe._tuned_table.cache_clear()
+        assert pick(8 * 20) == rule(8 * 20, 128, 2048, 768)  # another GPU: the rule
+    finally:
+        triton_moe._tuned_table.cache_clear()
+
+
+def test_compile_tiles_launches_each_pair_the_rule_picks(triton_moe):
+    # 4 experts, top-2: 16-row tiles below 32 tokens (64 assignments), 64-row ones from there
+    w13 = (torch.randn(4, 96, 32) * 0.2).to(DEVICE)
+    w2 = (torch.randn(4, 32, 48) * 0.2).to(DEVICE)
+    assert triton_moe.compile_tiles(w13, w2, top_k=2, max_tokens=40) == 2
+    assert triton_moe.compile_tiles(w13, w2, top_k=2, max_tokens=20) == 1
+
+
+def test_shipped_moe_table_is_well_formed(triton_moe):
+    with open(triton_moe.TUNED_TABLE) as f:
+        entries = json.load(f)["entries"]
+    for e in entries:
+        gate_up, down = triton_moe.MoeGemmConfig(*e["gate_up"]), triton_moe.MoeGemmConfig(*e["down"])
+        assert gate_up.block_m == down.block_m, e  # one alignment serves both GEMMs
+        assert all(v & (v - 1) == 0 for v in (*gate_up[:3], *down[:3])), e  # powers of two
 
 
 def test_triton_half_precision(triton_moe):
@@ -215,6 +284,6 @@ def test_triton_half_precision(triton_moe):
     w2 = (torch.randn(4, 32, 32, generator=g) * 0.2).half().to(DEVICE)
     weights, ids = select_experts(torch.randn(9, 4, generator=g).to(DEVICE), 2)
     expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
-    got = triton_moe.fused_experts_triton(x, w13, w2, weights.half(), ids, block_sizes=(16, 32, 16))
+    got = triton_moe.fused_experts_triton(x, w13, w2, weights.half(), ids, configs=_configs(triton_moe, 16, (32, 16), (32, 16)))
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
