@@ -3,11 +3,12 @@ the layer reads (layers/moe/tuned_moe_gemm.json).
 
 For each model shape (experts, top-k, hidden, intermediate) and token count, every row-tile height
 (block_m, the alignment both GEMMs share) gets the fastest (block_n, block_k, warps, stages) of a
-grid for GEMM 1 (gate/up with SiLU-and-mul in its epilogue) and for GEMM 2 (down, times the
-routing weight); the block_m whose two best sum lowest is the entry. Each figure is the median
+grid for GEMM 1 (gate/up, with SiLU-and-mul in its epilogue or as a launch of its own after it)
+and for GEMM 2 (down, times the routing weight); the block_m whose two best sum lowest is the
+entry. Each figure is the median
 over CUDA-graph replays of back-to-back calls (weights far larger than L2). Then the whole layer
-(`fused_experts_triton`: alignment, both GEMMs, the sum over k) with the table's tiles against the
-earlier path (GEMM 1 unfused at 64 x 32 tiles, then silu_and_mul), and the HBM floor (every
+(`fused_experts_triton`: alignment, both GEMMs, the sum over k) with the entry's tiles against the
+rule's (what a shape without an entry runs: 64 x 32 tiles, SiLU-and-mul apart), and the HBM floor (every
 expert that a token reaches read once, over the copy bandwidth).
 
     PYTHONPATH=. python3 benchmarks/moe_gemm_sweep.py [--models qwen3-30b-a3b,...] [--tokens 64,256]
@@ -43,7 +44,8 @@ TOKENS = [32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 # (block_n, block_k, num_warps, num_stages)
 GRID = [(32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 8, 3), (128, 64, 4, 3),
         (128, 64, 8, 3), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (256, 64, 8, 3), (256, 128, 8, 3),
-        (64, 256, 4, 3), (32, 256, 4, 3), (128, 128, 4, 4), (64, 64, 4, 4)]
+        (64, 256, 4, 3), (32, 256, 4, 3), (128, 128, 4, 4), (64, 64, 4, 4),
+        (64, 32, 4, 3)]  # the last: the rule's (layers/moe/triton_moe._rule_configs), so an entry never loses to it
 CALLS, REPLAYS = 4, 6
 
 
@@ -66,6 +68,7 @@ def _compile_configs(configs: list[tuple[int, ...]]) -> int:
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     weights, ids = select_experts(torch.randn(tokens, experts, device="cuda"), top_k, "softmax", True)
     act = torch.empty(tokens * top_k, inter, device="cuda", dtype=torch.bfloat16)
+    gate_up_out = torch.empty(tokens * top_k, 2 * inter, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(tokens * top_k, hidden, device="cuda", dtype=torch.bfloat16)
     done = 0
     for c in configs:
@@ -73,6 +76,7 @@ def _compile_configs(configs: list[tuple[int, ...]]) -> int:
         sorted_ids, block_expert = align_assignments(ids, cfg.block_m, experts)
         try:
             M._grouped_gemm(x, w13, act, None, sorted_ids, block_expert, top_k, cfg, silu_mul=True)
+            M._grouped_gemm(x, w13, gate_up_out, None, sorted_ids, block_expert, top_k, cfg)
             M._grouped_gemm(act, w2, out, weights.reshape(-1).float(), sorted_ids, block_expert, 1, cfg)
             done += 1
         except Exception:  # out of shared memory: the sweep skips it too
@@ -107,6 +111,7 @@ def sweep_shape(name, experts, top_k, hidden, inter, tokens_list, bw, deadline):
         num_assign = tokens * top_k
         flat_w = weights.reshape(-1).float().contiguous()
         act = torch.randn(num_assign, inter, device="cuda", dtype=torch.bfloat16)
+        gate_up_out = torch.empty(num_assign, 2 * inter, device="cuda", dtype=torch.bfloat16)
         out = torch.zeros(num_assign, hidden, device="cuda", dtype=torch.bfloat16)
         best = None  # (sum us, block_m, gate_up cfg, gate_up us, down cfg, down us)
         for bm in block_ms(num_assign / experts):
@@ -114,10 +119,15 @@ def sweep_shape(name, experts, top_k, hidden, inter, tokens_list, bw, deadline):
             picks = []
             for gemm in ("gate_up", "down"):
                 timed = []
-                for cfg in (M.MoeGemmConfig(bm, *g) for g in GRID):
-                    if gemm == "gate_up":
+                fused = (True, False) if gemm == "gate_up" else (False,)
+                for cfg in (M.MoeGemmConfig(bm, *g, fuse_silu=f) for g in GRID for f in fused):
+                    if cfg.fuse_silu:
                         fn = lambda i, c=cfg: M._grouped_gemm(x, w13, act, None, sorted_ids, block_expert, top_k, c,
                                                               silu_mul=True)
+                    elif gemm == "gate_up":  # GEMM 1, then SiLU-and-mul as its own launch
+                        def fn(i, c=cfg):
+                            M._grouped_gemm(x, w13, gate_up_out, None, sorted_ids, block_expert, top_k, c)
+                            return silu_and_mul(gate_up_out)
                     else:
                         fn = lambda i, c=cfg: M._grouped_gemm(act, w2, out, flat_w, sorted_ids, block_expert, 1, c)
                     try:
@@ -135,16 +145,10 @@ def sweep_shape(name, experts, top_k, hidden, inter, tokens_list, bw, deadline):
         # the whole layer: the table's tiles against the earlier path
         new = time_graph(lambda i: M.fused_experts_triton(x, w13, w2, weights, ids, configs=(gu_cfg, dn_cfg)),
                          CALLS, REPLAYS)
-        old_cfg = M.MoeGemmConfig(16 if num_assign <= 2 * experts * 16 else 64, 64, 32, 4, 3)
+        rule = M._rule_configs(num_assign, experts, hidden, inter)  # the first heuristic: what runs untabled
 
         def earlier(i):
-            sid, bexp = align_assignments(ids, old_cfg.block_m, experts)
-            inter_out = torch.empty(num_assign, 2 * inter, device="cuda", dtype=torch.bfloat16)
-            M._grouped_gemm(x, w13, inter_out, None, sid, bexp, top_k, old_cfg)
-            a = silu_and_mul(inter_out)
-            o = torch.zeros(num_assign, hidden, device="cuda", dtype=torch.bfloat16)
-            M._grouped_gemm(a, w2, o, flat_w, sid, bexp, 1, old_cfg)
-            return o.view(tokens, top_k, -1).sum(dim=1)
+            return M.fused_experts_triton(x, w13, w2, weights, ids, configs=rule)
 
         old = time_graph(earlier, CALLS, REPLAYS)
         torch.testing.assert_close(M.fused_experts_triton(x, w13, w2, weights, ids, configs=(gu_cfg, dn_cfg)),
@@ -156,8 +160,8 @@ def sweep_shape(name, experts, top_k, hidden, inter, tokens_list, bw, deadline):
                             experts=experts, top_k=top_k, hidden=hidden, intermediate=inter, dtype="bfloat16",
                             tokens=tokens, gate_up=list(gu_cfg), down=list(dn_cfg),
                             us=dict(gate_up=round(gu_us, 1), down=round(dn_us, 1), layer=round(new, 1),
-                                    earlier_layer=round(old, 1), floor=round(floor, 1))))
-        log(f"{name} T={tokens}: layer {new:.1f} us (earlier {old:.1f}, floor {floor:.1f})")
+                                    rule_layer=round(old, 1), floor=round(floor, 1))))
+        log(f"{name} T={tokens}: layer {new:.1f} us (rule {old:.1f}, floor {floor:.1f})")
     del w13, w2
     torch.cuda.empty_cache()
     return entries, rows
@@ -186,16 +190,16 @@ def main(argv=None):
         entries += e
         rows += r
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; us per layer call (median of CUDA-graph replays)\n")
-    print("| model | tokens | block_m | gate_up (n, k, warps, stages) | us | down | us | layer | earlier layer "
+    print("| model | tokens | block_m | gate_up (n, k, warps, stages, fused SiLU) | us | down | us | layer | rule's layer "
           "| speed-up | floor | layer / floor |")
     print("|---|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for name, tokens, bm, gu, gu_us, dn, dn_us, new, old, floor in rows:
-        print(f"| {name} | {tokens} | {bm} | {tuple(gu[1:])} | {gu_us:.1f} | {tuple(dn[1:])} | {dn_us:.1f} | "
+        print(f"| {name} | {tokens} | {bm} | {tuple(gu[1:])} | {gu_us:.1f} | {tuple(dn[1:5])} | {dn_us:.1f} | "
               f"{new:.1f} | {old:.1f} | {old / new:.2f}x | {floor:.1f} | {floor / new:.0%} |")
     if args.write_table:
         with open(args.write_table, "w") as f:
             json.dump({"about": "bf16 grouped MoE GEMM tiles, written by benchmarks/moe_gemm_sweep.py; "
-                                "gate_up and down are (block_m, block_n, block_k, num_warps, num_stages)",
+                                "gate_up and down are (block_m, block_n, block_k, num_warps, num_stages, fuse_silu)",
                        "entries": entries}, f, indent=1)
             f.write("\n")
     return 0

@@ -191,9 +191,10 @@ def test_alignment_groups_assignments_into_single_expert_tiles(triton_moe):
     assert sorted(seen) == [i for i, e in enumerate(flat.tolist()) if e in (2, 3)]
 
 
-def _configs(triton_moe, block_m, gate_up, down):
+def _configs(triton_moe, block_m, gate_up, down, fuse_silu=True):
     """(GEMM 1, GEMM 2) configs from (block_n, block_k) pairs."""
-    return triton_moe.MoeGemmConfig(block_m, *gate_up), triton_moe.MoeGemmConfig(block_m, *down)
+    return (triton_moe.MoeGemmConfig(block_m, *gate_up, fuse_silu=fuse_silu),
+            triton_moe.MoeGemmConfig(block_m, *down))
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,expert_start,num_local,blocks", [
@@ -204,7 +205,8 @@ def _configs(triton_moe, block_m, gate_up, down):
     (70, 4, 2, 0, 4, (32, (16, 16), (32, 16))),    # 32-row tiles, several N tiles of act
     (0, 4, 2, 0, 4, (16, (32, 16), (32, 16))),     # empty batch
 ])
-def test_triton_matches_reference(triton_moe, tokens, experts, top_k, expert_start, num_local, blocks):
+@pytest.mark.parametrize("fuse_silu", [True, False])
+def test_triton_matches_reference(triton_moe, tokens, experts, top_k, expert_start, num_local, blocks, fuse_silu):
     g = torch.Generator().manual_seed(tokens + experts)
     hidden, inter = 32, 48
     x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
@@ -213,8 +215,26 @@ def test_triton_matches_reference(triton_moe, tokens, experts, top_k, expert_sta
     weights, ids = select_experts(torch.randn(tokens, experts, generator=g).to(DEVICE), top_k)
     expected = fused_experts_reference(x, w13, w2, weights, ids, expert_start)
     got = triton_moe.fused_experts_triton(x, w13, w2, weights, ids, expert_start,
-                                          configs=_configs(triton_moe, *blocks))
+                                          configs=_configs(triton_moe, *blocks, fuse_silu=fuse_silu))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_silu_rounds_as_the_separate_activation(triton_moe, monkeypatch):
+    # 16-bit products rounded before SiLU-and-mul, as F.linear then silu_and_mul: the two GEMM 1
+    # forms give the same bits (same tiles, so the same products). fp16: the interpreter's bf16
+    # tl.dot is not usable (kernels/skinny_gemm.py)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(24, 32, generator=g).half().to(DEVICE)
+    w13 = (torch.randn(4, 64, 32, generator=g) * 0.2).half().to(DEVICE)
+    w2 = (torch.randn(4, 32, 32, generator=g) * 0.2).half().to(DEVICE)
+    weights, ids = select_experts(torch.randn(24, 4, generator=g).to(DEVICE), 2)
+    from metrale.kernels.activation import silu_and_mul_triton
+
+    monkeypatch.setattr(triton_moe, "silu_and_mul", silu_and_mul_triton)  # the GPU's activation kernel, also on CPU
+    fused, apart = (triton_moe.fused_experts_triton(x, w13, w2, weights, ids,
+                                                    configs=_configs(triton_moe, 16, (32, 32), (32, 32), fuse_silu=f))
+                    for f in (True, False))
+    assert torch.equal(fused, apart)
 
 
 def test_triton_default_configs_match_reference(triton_moe):
@@ -230,15 +250,17 @@ def test_triton_default_configs_match_reference(triton_moe):
 
 def test_moe_gemm_config_rule_and_table(triton_moe, monkeypatch, tmp_path):
     rule = triton_moe._rule_configs
-    assert rule(8 * 64, 128, 2048, 768) == (triton_moe.MoeGemmConfig(16, 64, 128), triton_moe.MoeGemmConfig(16, 64, 128))
+    # the first heuristic, unchanged for shapes without a measured entry
+    assert rule(8 * 64, 128, 2048, 768) == (triton_moe.MoeGemmConfig(16, 64, 32), triton_moe.MoeGemmConfig(16, 64, 32))
+    assert rule(8 * 512, 128, 2048, 768)[0].block_m == 16  # 32 assignments per expert
     assert rule(8 * 4096, 128, 2048, 768)[0].block_m == 64  # 256 assignments per expert
-    assert rule(8 * 4096, 128, 2048, 40)[1].block_k == 64  # K = 40: one 64-wide step
+    assert not rule(8 * 4096, 128, 2048, 768)[0].fuse_silu
     # a table entry wins for its shape and capability; the smallest measured token count >= T
     table = tmp_path / "t.json"
     entry = dict(capability=[9, 0], experts=128, top_k=8, hidden=2048, intermediate=768, dtype="bfloat16")
     table.write_text(json.dumps({"entries": [
-        dict(entry, tokens=256, gate_up=[64, 64, 128, 4, 3], down=[64, 128, 64, 8, 4]),
-        dict(entry, tokens=64, gate_up=[16, 32, 128, 4, 3], down=[16, 64, 128, 4, 3])]}))
+        dict(entry, tokens=256, gate_up=[64, 64, 128, 4, 3, True], down=[64, 128, 64, 8, 4, False]),
+        dict(entry, tokens=64, gate_up=[16, 32, 128, 4, 3, True], down=[16, 64, 128, 4, 3, False])]}))
     monkeypatch.setattr(triton_moe, "TUNED_TABLE", str(table))
     triton_moe._tuned_table.cache_clear()
     monkeypatch.setattr(triton_moe, "interpret_mode", lambda: False)
@@ -247,7 +269,8 @@ def test_moe_gemm_config_rule_and_table(triton_moe, monkeypatch, tmp_path):
     pick = functools.partial(triton_moe.moe_gemm_configs, num_experts=128, top_k=8, hidden=2048, inter=768,
                              dtype=torch.bfloat16, device=gpu)
     try:
-        assert pick(8 * 20) == (triton_moe.MoeGemmConfig(16, 32, 128, 4, 3), triton_moe.MoeGemmConfig(16, 64, 128, 4, 3))
+        assert pick(8 * 20) == (triton_moe.MoeGemmConfig(16, 32, 128, 4, 3, True),
+                                triton_moe.MoeGemmConfig(16, 64, 128, 4, 3))
         assert pick(8 * 65)[1] == triton_moe.MoeGemmConfig(64, 128, 64, 8, 4)
         assert pick(8 * 5000)[1] == triton_moe.MoeGemmConfig(64, 128, 64, 8, 4)  # past the end: the largest
         # what the warm-up compiles: every pair a step of up to 300 tokens picks, once each
@@ -261,11 +284,11 @@ def test_moe_gemm_config_rule_and_table(triton_moe, monkeypatch, tmp_path):
 
 
 def test_compile_tiles_launches_each_pair_the_rule_picks(triton_moe):
-    # 4 experts, top-2: 16-row tiles below 32 tokens (64 assignments), 64-row ones from there
+    # 4 experts, top-2: 16-row tiles up to 64 tokens (128 assignments), 64-row ones past it
     w13 = (torch.randn(4, 96, 32) * 0.2).to(DEVICE)
     w2 = (torch.randn(4, 32, 48) * 0.2).to(DEVICE)
-    assert triton_moe.compile_tiles(w13, w2, top_k=2, max_tokens=40) == 2
-    assert triton_moe.compile_tiles(w13, w2, top_k=2, max_tokens=20) == 1
+    assert triton_moe.compile_tiles(w13, w2, top_k=2, max_tokens=80) == 2
+    assert triton_moe.compile_tiles(w13, w2, top_k=2, max_tokens=64) == 1
 
 
 def test_shipped_moe_table_is_well_formed(triton_moe):
@@ -275,6 +298,7 @@ def test_shipped_moe_table_is_well_formed(triton_moe):
         gate_up, down = triton_moe.MoeGemmConfig(*e["gate_up"]), triton_moe.MoeGemmConfig(*e["down"])
         assert gate_up.block_m == down.block_m, e  # one alignment serves both GEMMs
         assert all(v & (v - 1) == 0 for v in (*gate_up[:3], *down[:3])), e  # powers of two
+        assert not down.fuse_silu, e  # a GEMM 1 option
 
 
 def test_triton_half_precision(triton_moe):

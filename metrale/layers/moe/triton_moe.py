@@ -5,20 +5,20 @@ a = token * top_k + k. Assignments are sorted by expert and each expert's run pa
 multiple of BLOCK_M (`kernels/moe_align.py`), so every BLOCK_M-row tile of the sorted list
 belongs to one expert. A program computes one [BLOCK_M, BLOCK_N] tile of
 
-    GEMM 1: act[a]  = silu(hidden[a // top_k] @ gate[e]^T) * (hidden[a // top_k] @ up[e]^T)  (N = I, K = H)
+    GEMM 1: act[a]  = silu(hidden[a // top_k] @ gate[e]^T) * (hidden[a // top_k] @ up[e]^T)  (K = H)
     GEMM 2: out[a]  = act[a] @ w2[e]^T * weight[a]                                        (N = H, K = I)
 
 gathering its A rows through the sorted ids and scattering C rows back to assignment order;
 padding rows and assignments of experts outside this rank's range are never written (out stays
-zero there). GEMM 1's program reads the gate rows and the matching up rows of w13 ([gate; up])
-and applies SiLU-and-mul in its epilogue, rounding as `kernels/activation.silu_and_mul` does on
-the model-dtype outputs of the two products (the clamped SwiGLU of GLM-5.3 takes the unfused
-GEMM 1 and a separate activation). The per-token sum over k is a plain reduction. Shapes are
-bounded without reading the routing on the host (no device sync), which keeps the path
-CUDA-graph friendly.
+zero there). With `fuse_silu`, GEMM 1's program reads the gate rows and the matching up rows of
+w13 ([gate; up]) and applies SiLU-and-mul in its epilogue, rounding as
+`kernels/activation.silu_and_mul` does on the model-dtype outputs of the two products; otherwise
+GEMM 1 writes [gate | up] and `silu_and_mul` follows (always for the clamped SwiGLU of GLM-5.3).
+The per-token sum over k is a plain reduction. Shapes are bounded without reading the routing on
+the host (no device sync), which keeps the path CUDA-graph friendly.
 
-Tiles come from `moe_gemm_configs`: a table measured on an H200 by benchmarks/moe_gemm_sweep.py
-(layers/moe/tuned_moe_gemm.json) for the shapes it holds, a rule elsewhere.
+Tiles (and whether GEMM 1 fuses SiLU-and-mul) come from `moe_gemm_configs`: a table measured per
+shape and GPU by benchmarks/moe_gemm_sweep.py (layers/moe/tuned_moe_gemm.json), a rule elsewhere.
 """
 
 from __future__ import annotations
@@ -101,10 +101,11 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ids_ptr, block_
 
 class MoeGemmConfig(NamedTuple):
     block_m: int  # rows (assignments) per tile: the alignment of every expert's run, shared by both GEMMs
-    block_n: int
+    block_n: int  # output columns per tile (of act when GEMM 1 fuses SiLU-and-mul)
     block_k: int
     num_warps: int = 4
     num_stages: int = 3  # software pipeline depth (the interpreter ignores it)
+    fuse_silu: bool = False  # GEMM 1 only: SiLU-and-mul in the epilogue instead of a separate launch
 
 
 def _grouped_gemm(a, b, c, weights, sorted_ids, block_expert, a_row_divisor, cfg: MoeGemmConfig,
@@ -141,16 +142,13 @@ def _tuned_table(capability: tuple[int, int]) -> dict:
 
 
 def _rule_configs(num_assign: int, num_experts: int, hidden: int, inter: int) -> tuple[MoeGemmConfig, MoeGemmConfig]:
-    """Tiles for shapes the table lacks (and the CPU interpreter): 16-row tiles below 16
-    assignments per expert (decode batches spread over many experts waste a tall tile on padding),
-    64 above; 64 columns, 128-wide K steps (at most K rounded up to a power of two), 4 warps."""
-    block_m = 16 if num_assign < 16 * num_experts else 64
-
-    def cfg(n, k):
-        return MoeGemmConfig(block_m, min(64, max(16, triton.next_power_of_2(n))),
-                             min(128, max(16, triton.next_power_of_2(k))), 4, 3)
-
-    return cfg(inter, hidden), cfg(hidden, inter)
+    """Tiles for shapes the table lacks (and the CPU interpreter), the layer's first heuristic:
+    16-row tiles up to 32 assignments per expert (decode batches spread over many experts waste a
+    tall tile on padding), 64 above; 64 x 32 tiles, 4 warps, 3 stages, SiLU-and-mul launched
+    apart. The sweep's entries replace it shape by shape; until one is measured, a shape runs as
+    it did before the table existed."""
+    block_m = 16 if num_assign <= 2 * num_experts * 16 else 64
+    return MoeGemmConfig(block_m, 64, 32), MoeGemmConfig(block_m, 64, 32)
 
 
 def moe_gemm_configs(num_assign: int, num_experts: int, top_k: int, hidden: int, inter: int,
@@ -174,7 +172,8 @@ def configs_up_to(max_tokens: int, num_experts: int, top_k: int, hidden: int, in
     """Every (GEMM 1, GEMM 2) pair `moe_gemm_configs` picks for 1..max_tokens tokens: the choice
     changes only at the table's token counts and the rule's block_m bound, so those points and
     their neighbours cover it. The kernel warm-up compiles them before serving."""
-    points = {1, max_tokens, -(-16 * num_experts // top_k), -(-16 * num_experts // top_k) - 1}
+    bound = 32 * num_experts // top_k  # the rule's block_m changes past this many tokens
+    points = {1, max_tokens, bound, bound + 1}
     if device.type == "cuda" and not interpret_mode():
         rows = _tuned_table(torch.cuda.get_device_capability(device)).get(
             (num_experts, top_k, hidden, inter, str(dtype).removeprefix("torch.")), [])
@@ -215,13 +214,13 @@ def fused_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     assert gate_up_cfg.block_m == down_cfg.block_m, (gate_up_cfg, down_cfg)
     sorted_ids, block_expert = align_assignments(topk_ids, gate_up_cfg.block_m, num_local, expert_start)
     # Rows of foreign assignments hold garbage in act; GEMM 2 never reads them.
-    if swiglu_limit is None:
+    if gate_up_cfg.fuse_silu and swiglu_limit is None:
         act = torch.empty((num_assign, two_i // 2), dtype=hidden.dtype, device=hidden.device)
         _grouped_gemm(hidden, w13, act, None, sorted_ids, block_expert, top_k, gate_up_cfg, silu_mul=True)
     else:
         inter = torch.empty((num_assign, two_i), dtype=hidden.dtype, device=hidden.device)
         _grouped_gemm(hidden, w13, inter, None, sorted_ids, block_expert, top_k, gate_up_cfg)
-        act = silu_and_mul(clamp_swiglu(inter, swiglu_limit))
+        act = silu_and_mul(inter if swiglu_limit is None else clamp_swiglu(inter, swiglu_limit))
     out = torch.zeros((num_assign, hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _grouped_gemm(act, w2, out, weights, sorted_ids, block_expert, 1, down_cfg)
