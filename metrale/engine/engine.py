@@ -319,8 +319,9 @@ class LLMEngine:
         for request, new_tokens in self.scheduler.update(plan, result):
             # One token at a time: a stop string that a verify step's first token completes ends
             # the output there, as it would without speculation.
-            for token in new_tokens:
-                stop = self.outputs.process_tokens(request, [token], result.logprobs.get(request.request_id))
+            logprobs = result.logprobs.get(request.request_id)
+            for i, token in enumerate(new_tokens):
+                stop = self.outputs.process_tokens(request, [token], logprobs[i] if logprobs else None)
                 if stop is not None:
                     self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
                     break

@@ -311,13 +311,14 @@ class Scheduler:
 
     def _propose(self, request: Request, budget: int, num_drafts: int) -> list[int]:
         """Up to `num_drafts` drafts for a running request at its decode position, within the
-        budget and its limits. Requests that want logprobs or follow a grammar are not drafted (a
-        step gives them one token and one TokenLogprobs / bitmask, docs/speculative.md)."""
+        budget and its limits. Requests that follow a grammar are not drafted (a step gives them
+        one token and one bitmask, docs/speculative.md); those that want logprobs are, and get
+        one TokenLogprobs per token the verify step gives them."""
         if (self.drafter is None or num_drafts <= 0 or request.num_pending
                 or request.num_computed_tokens != request.num_tokens - 1):
             return []
         params = request.sampling_params
-        if params.logprobs is not None or params.structured_outputs is not None:
+        if params.structured_outputs is not None:
             return []
         # A verify step gives up to k + 1 tokens: never more than max_tokens or the context allow.
         room = min(budget, self.max_model_len - request.num_tokens, num_drafts + 1) - 1

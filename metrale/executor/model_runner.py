@@ -147,7 +147,11 @@ class PendingOutput:
                 counts = self.verified.num_accepted.tolist() if self.verified is not None else []
             logprobs = self.sampled.logprobs(tokens)
             accepted = self.verified.read(counts) if self.verified is not None else {}
-            for request_id, position, token, lp in zip(self.request_ids, self.positions, tokens, logprobs):
+            draft_logprobs = self.sampled.draft_logprobs(
+                {i: accepted[rid][0][:accepted[rid][1]] + [tokens[i]]
+                 for i, rid in enumerate(self.request_ids) if rid in accepted})
+            for i, (request_id, position, token, lp) in enumerate(zip(self.request_ids, self.positions, tokens,
+                                                                      logprobs)):
                 state = self.runner.requests.get(request_id)
                 if request_id in accepted:
                     drafts, num_accepted = accepted[request_id]
@@ -158,7 +162,9 @@ class PendingOutput:
                     state.token_ids[position] = token
                 out.sampled_token_ids[request_id] = token
                 if lp is not None:
-                    out.logprobs[request_id] = lp
+                    out.logprobs[request_id] = [lp]
+                elif i in draft_logprobs:
+                    out.logprobs[request_id] = draft_logprobs[i]
             if self.drafts is not None:
                 for request_id, row in zip(self.request_ids, self.drafts.token_ids.tolist()):
                     out.draft_token_ids[request_id] = [t for t in row if t >= 0]
@@ -607,13 +613,28 @@ class ModelRunner:
             spec_logits = logits[[r for i in spec for r in batch.logits_rows[i]]]
         else:  # every request drafted (batch 1's verify step): the logits rows are spec's, in order
             spec_logits = logits
+        draft_raw = self._draft_raw_logprobs(spec_logits, spec, rows, [len(drafts[ids[i]]) for i in spec])
         num_accepted, spec_tokens = verify_drafts(spec_logits, [rows[i] for i in spec], [drafts[ids[i]] for i in spec],
                                                   [self._draft_q(ids[i], len(drafts[ids[i]])) for i in spec])
         if plain:
             tokens[spec] = spec_tokens
         else:
             tokens = spec_tokens
-        return self._verified(tokens, num_accepted, batch, rows, spec, drafts, plain_sampled, plain)
+        sampled, verified = self._verified(tokens, num_accepted, batch, rows, spec, drafts, plain_sampled, plain)
+        sampled.draft_raw_logprobs = draft_raw
+        return sampled, verified
+
+    @staticmethod
+    def _draft_raw_logprobs(spec_logits: torch.Tensor, spec: list[int], rows: list[SamplingRow],
+                            num_drafts: list[int]) -> dict[int, torch.Tensor]:
+        """Batch row -> the raw logprobs of its 1 + drafts positions, for the drafted rows that ask
+        for logprobs; taken before the rejection sampler reads (and may change) the logits."""
+        out, start = {}, 0
+        for i, n in zip(spec, num_drafts):
+            if rows[i].params.logprobs is not None:
+                out[i] = spec_logits[start:start + n + 1].float().log_softmax(dim=-1)
+            start += n + 1
+        return out
 
     @staticmethod
     def _rows_without_drafts(ids: list[str], states: list[RunnerRequest],
@@ -636,7 +657,7 @@ class ModelRunner:
         if kept is not None:  # the linear-attention state of the last accepted position (drafted: spec's order)
             self.caches.keep_accepted_states(batch.layout.state_slots[kept.drafted], kept.state_rows[kept.drafted],
                                              kept.num_drafts[kept.drafted], num_accepted)
-        # Logprobs rows: requests that want them are never drafted, so they are all plain rows.
+        # Logprobs of plain rows; drafted rows' come from _draft_raw_logprobs.
         want = [plain[i] for i in plain_sampled.want_logprobs] if plain_sampled is not None else []
         sampled = SampledTokens(tokens, rows, want, plain_sampled.raw_logprobs if plain_sampled is not None else None)
         return sampled, VerifiedDrafts({ids[i]: drafts[ids[i]] for i in spec}, num_accepted)

@@ -9,7 +9,7 @@ tokens do not depend on its batch or on being preempted and recomputed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -147,6 +147,9 @@ class SampledTokens:
     rows: list[SamplingRow]
     want_logprobs: list[int]  # rows that asked for logprobs
     raw_logprobs: torch.Tensor | None  # [len(want_logprobs), vocab], from the raw logits
+    # A verify step's drafted rows that asked for logprobs: row -> the raw logprobs of its
+    # 1 + drafts positions [1 + drafts, vocab] (such rows are not in want_logprobs)
+    draft_raw_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def logprobs(self, token_list: list[int]) -> list[TokenLogprobs | None]:
         out: list[TokenLogprobs | None] = [None] * len(self.rows)
@@ -157,6 +160,24 @@ class SampledTokens:
         for i, (lp, rank, ids, values) in zip(self.want_logprobs, _logprobs(self.raw_logprobs, chosen, k)):
             n = self.rows[i].params.logprobs
             out[i] = TokenLogprobs(token_list[i], lp, rank, ids[:n], values[:n])
+        return out
+
+    def draft_logprobs(self, emitted: dict[int, list[int]]) -> dict[int, list[TokenLogprobs]]:
+        """For the drafted rows that asked for logprobs: the logprobs of each token the verify step
+        gives them (emitted[row]: the accepted drafts, then the sampled token), each from the raw
+        logits of its own position, as a plain step at that position would report it."""
+        rows = [i for i in self.draft_raw_logprobs if i in emitted]
+        if not rows:
+            return {}
+        k = max(self.rows[i].params.logprobs for i in rows)
+        raw = torch.cat([self.draft_raw_logprobs[i][:len(emitted[i])] for i in rows])
+        chosen = torch.tensor([t for i in rows for t in emitted[i]], device=raw.device)
+        entries = iter(_logprobs(raw, chosen, k))
+        out = {}
+        for i in rows:
+            n = self.rows[i].params.logprobs
+            out[i] = [TokenLogprobs(token, lp, rank, ids[:n], values[:n])
+                      for token, (lp, rank, ids, values) in zip(emitted[i], entries)]
         return out
 
 

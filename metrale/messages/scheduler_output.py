@@ -102,7 +102,9 @@ class TokenLogprobs:
 @dataclass
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Per request that asked: the logprobs of each token the step gives it, in order (one for a
+    # plain step; its accepted drafts and then its sampled token for a verify step).
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Speculative decoding: how many of a request's drafts were accepted, in order. Its new tokens
     # are those drafts, then its sampled token (the resampled one at the first rejection, or the
     # bonus token after the last draft).

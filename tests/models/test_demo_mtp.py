@@ -54,6 +54,23 @@ def test_mtp_drafts_are_lossless_and_mostly_accepted(prompts, plain_tokens, k, m
     assert stats.mean_accepted_length > 1 + (k or 1) * min_acceptance, stats
 
 
+def test_mtp_drafted_requests_get_plain_decodings_logprobs(prompts):
+    # chained MTP drafts (k = 2) for requests that ask for logprobs: each accepted draft and each
+    # sampled token carries its own position's logprobs, as plain decoding reports them
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=2)
+    plain = LLM(demo_model_dir(), dtype="float32", device="cpu")
+    llm = LLM(demo_model_dir(), dtype="float32", device="cpu", speculative_config={"method": "mtp",
+                                                                                   "num_speculative_tokens": 2})
+    theirs = [o.outputs[0] for o in plain.generate(prompts[:2], params, use_tqdm=False)]
+    ours = [o.outputs[0] for o in llm.generate(prompts[:2], params, use_tqdm=False)]
+    assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 10
+    for a, b in zip(ours, theirs):
+        assert a.token_ids == b.token_ids and len(a.logprobs) == len(b.logprobs) == len(a.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 and x[t].rank == y[t].rank for t in x)
+
+
 def test_the_mtp_weights_are_met_s_alone(prompts):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM

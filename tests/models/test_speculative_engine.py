@@ -71,3 +71,41 @@ def test_stops_inside_a_verify_step_end_where_plain_decoding_ends(checkpoint, ex
         assert (ours.token_ids, ours.text, ours.finish_reason) == (theirs.token_ids, theirs.text, theirs.finish_reason)
         assert len(ours.token_ids) < 24 and ours.finish_reason == "stop"
     assert_accepted_and_idle(llm)
+
+
+def test_logprobs_of_drafted_requests_are_their_positions_logprobs(checkpoint, expected):
+    # Requests asking for logprobs are drafted too: every token a verify step gives (accepted
+    # drafts and the sampled one) carries the raw logprobs of its own position. Greedy: the same
+    # tokens and logprobs as plain decoding. Sampled (tokens differ from plain sampling's stream):
+    # each token's logprob and top-2 against transformers' forward over prompt + output.
+    import torch
+
+    from checkpoints import load_reference
+
+    path = checkpoint("llama")
+    llm, plain = engine(path), engine(path, speculative=False)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts()]
+    greedy_params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    ours = [o.outputs[0] for o in llm.generate(prompts, greedy_params, use_tqdm=False)]
+    theirs = [o.outputs[0] for o in plain.generate(prompts, greedy_params, use_tqdm=False)]
+    assert [a.token_ids for a in ours] == expected("llama")
+    for a, b in zip(ours, theirs):
+        assert a.token_ids == b.token_ids and len(a.logprobs) == len(a.token_ids) == len(b.logprobs)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 and x[t].rank == y[t].rank for t in x)
+    drafted = llm.llm_engine.scheduler.spec_stats.num_accepted_tokens
+    assert drafted > 0
+    sampled = SamplingParams(temperature=0.3, top_k=50, seed=7, max_tokens=24, ignore_eos=True, logprobs=2)
+    model = load_reference(path)
+    for prompt, out in zip(make_prompts(), (o.outputs[0] for o in llm.generate(prompts, sampled, use_tqdm=False))):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+        reference = logits.float().log_softmax(-1)
+        assert len(out.logprobs) == len(out.token_ids)
+        for j, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert abs(entry[token].logprob - float(reference[j, token])) < 1e-4
+            top = reference[j].topk(2)
+            assert all(abs(entry[int(t)].logprob - float(v)) < 1e-4 for v, t in zip(top.values, top.indices))
+    assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > drafted  # the sampled run drafted too
+    assert_accepted_and_idle(llm)
