@@ -76,6 +76,10 @@ class LLMEngine:
         # The launched step whose result is not applied yet (asynchronous scheduling only).
         self._inflight = None
         self.async_scheduling = self._resolve_async_scheduling(args.async_scheduling)
+        # A runner-side drafter's drafts stay on the device: greedy requests are planned over their
+        # verify step in flight (scheduler.plans_over_drafts).
+        self.scheduler.drafts_on_device = self.async_scheduling and getattr(self.scheduler.drafter, "runs_in_runner",
+                                                                            False)
         logger.info("scheduling: %s", "asynchronous (step N+1 is launched before step N's tokens are read)"
                     if self.async_scheduling else "synchronous")
         self._seed_rng = random.Random(args.seed)
@@ -158,12 +162,16 @@ class LLMEngine:
 
     def _resolve_async_scheduling(self, asked: bool | None) -> bool:
         """On by default where it pays: on a CUDA device the host plans step N+1 while the GPU
-        runs step N; on the CPU the host is the device, and there is nothing to overlap. Off with
-        speculative decoding: drafts are proposed from a request's real last tokens, and a verify
-        step's token count is known only once it is read."""
-        if self.scheduler.drafter is not None:
+        runs step N; on the CPU the host is the device, and there is nothing to overlap. With
+        speculative decoding, only for a drafter in the runner (MTP, DFlash), whose drafts stay on
+        the device: the n-gram drafter proposes from a request's real last tokens on the host,
+        which a step in flight has not given yet."""
+        drafter = self.scheduler.drafter
+        if drafter is not None and not getattr(drafter, "runs_in_runner", False):
             if asked:
-                logger.warning("speculative decoding runs its steps synchronously; --async-scheduling is ignored")
+                logger.warning("n-gram drafts are proposed on the host from the tokens of the step before, so "
+                               "speculative decoding with them runs its steps synchronously; --async-scheduling "
+                               "is ignored")
             return False
         if not self.executor.supports_async:
             if asked:
@@ -267,6 +275,9 @@ class LLMEngine:
         step that gives most of its requests their first token is read in the call that launched
         it (`_first_tokens_lead`), so a first token never waits for the next step's launch."""
         touched: list[str] = []
+        if self._inflight is not None and self._must_read_before_planning(self._inflight[0]):
+            self._complete(*self._inflight, touched)
+            self._inflight = None
         plan, ended = self.scheduler.schedule()
         for request in ended:
             self._finish(request, touched)
@@ -305,6 +316,14 @@ class LLMEngine:
             num_sampled += 1
             num_first += request.num_pending == 1 and request.num_known_tokens == request.num_prompt_tokens
         return num_first > 0 and 2 * num_first >= num_sampled
+
+    def _must_read_before_planning(self, inflight_plan) -> bool:
+        """Whether the step in flight verifies drafts of a request that cannot be planned before
+        its result is read (scheduler.plans_over_drafts): read it first, so that such a request
+        is planned this step, from its real tokens, rather than every other step."""
+        requests = self.scheduler.requests
+        return any(rid in requests and not self.scheduler.plans_over_drafts(requests[rid])
+                   for rid in inflight_plan.draft_token_ids)
 
     def _needs_real_tokens(self, plan) -> bool:
         """Penalties read the previous tokens' values, and a grammar's token bitmask follows from

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import deque
 
 from metrale.messages.sampling_params import SamplingParams
 from metrale.messages.scheduler_output import PLACEHOLDER
@@ -24,7 +25,8 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    """Invariant: 0 <= num_computed_tokens <= num_tokens; tokens past num_computed_tokens have no KV yet."""
+    """Invariant: 0 <= num_computed_tokens - num_unverified_drafts <= num_tokens; tokens past
+    num_computed_tokens have no KV yet."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, arrival_time: float | None = None, extra_keys: tuple = (), multimodal=None):
@@ -50,13 +52,18 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.num_preemptions = 0
-        # Speculative decoding: the drafts of the step in flight, verified there. Until its result
-        # arrives, num_computed_tokens counts them (and one placeholder trails token_ids); the
-        # result rolls it back by the number rejected.
-        self.drafts_in_flight: list[int] = []
+        # Speculative decoding: per step in flight that samples for the request, oldest first (one
+        # per trailing placeholder), the drafts it verifies ([] for a plain step; PLACEHOLDERs for
+        # drafts that only the device holds, under asynchronous scheduling). Until a step's result
+        # arrives, num_computed_tokens counts its drafts as if all were accepted; the result rolls
+        # it back by the number rejected.
+        self.inflight_drafts: deque[list[int]] = deque()
         # A runner-side drafter's (MTP, DFlash) drafts from the request's last sampled step: its
         # next step's drafts (engine/runner_drafts.py).
         self.runner_drafts: list[int] = []
+        # How many drafts the runner's drafter proposes on the device for the request's next step,
+        # from the last step planned to sample for it (scheduler._lookahead_blocks).
+        self.device_drafts_ready = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -66,26 +73,41 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
-    def add_placeholder(self) -> None:
+    def add_placeholder(self, drafts: list[int]) -> None:
+        """A launched step samples for the request after verifying `drafts` ([] for none)."""
         self.token_ids.append(PLACEHOLDER)
         self.num_pending += 1
+        self.inflight_drafts.append(drafts)
 
-    def resolve_placeholder(self, token_id: int) -> None:
-        """The oldest pending token's value arrived."""
-        self.token_ids[len(self.token_ids) - self.num_pending] = token_id
+    def resolve_placeholder(self, accepted: list[int], token_id: int) -> list[int]:
+        """The oldest step in flight's result: its accepted drafts, then the token sampled after
+        them, in place of its placeholder. Returns the drafts that step verified."""
+        index = len(self.token_ids) - self.num_pending
+        self.token_ids[index:index + 1] = accepted + [token_id]
         self.num_pending -= 1
+        return self.inflight_drafts.popleft()
 
-    def resolve_verified(self, accepted: list[int], token_id: int) -> None:
-        """The verify step's result: the accepted drafts, then the token sampled after them, in
-        place of its one placeholder."""
-        assert self.num_pending == 1, "a verify step is the only step in flight for its request"
-        self.token_ids[-1:] = accepted + [token_id]
-        self.num_pending = 0
+    @property
+    def drafts_in_flight(self) -> bool:
+        """A step in flight verifies drafts: how many tokens it gives is not known yet."""
+        return any(self.inflight_drafts)
+
+    @property
+    def num_unverified_drafts(self) -> int:
+        """Drafts num_computed_tokens counts whose verification is still in flight."""
+        return sum(len(d) for d in self.inflight_drafts) if self.inflight_drafts else 0
 
     def drop_placeholders(self) -> None:
         if self.num_pending:
             del self.token_ids[-self.num_pending:]
             self.num_pending = 0
+        self.inflight_drafts.clear()
+
+    @property
+    def num_tokens_if_accepted(self) -> int:
+        """The sequence's length once the steps in flight are read, if they accept every draft:
+        what num_computed_tokens counts, and the most KV the request can need so far."""
+        return len(self.token_ids) + self.num_unverified_drafts
 
     @property
     def num_known_tokens(self) -> int:

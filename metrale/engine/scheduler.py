@@ -14,7 +14,15 @@ rejected token's KV is overwritten later and never becomes part of a cached (has
 prefix cache only takes blocks whose tokens are all computed and known. On models with
 per-request state the runner keeps the state of the last accepted position (per-draft scratch
 slots, layers/linear_attention/draft_states.py), and a verify step never saves a prefix
-checkpoint. No torch here.
+checkpoint.
+
+Under asynchronous scheduling with a drafter in the runner (MTP, DFlash: `drafts_on_device`),
+step N+1 is planned while step N, a verify step, is in flight: a greedy request whose drafts come
+from the device is scheduled again at once, with 1 + k rows whose drafts are PLACEHOLDERs (the
+drafter proposed them in step N, on the device) and a computed count that assumes step N accepted
+all its drafts. The runner moves the rows back on the device by the drafts step N rejected
+(`CachedRequestData.num_unverified_drafts`), and step N's result rolls the count back on the host,
+so both agree once it is read. No torch here.
 
 Media (images, video) ride the same path under an encoder budget per step
 (`max_num_encoder_tokens`, encoder output rows): a chunk that reaches an item's span for the
@@ -36,7 +44,7 @@ from metrale.engine.ngram_drafter import NgramDrafter
 from metrale.engine.request import Request, RequestStatus
 from metrale.engine.spec_cost_model import DraftLengthChooser
 from metrale.engine.spec_stats import SpecDecodeStats
-from metrale.messages.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+from metrale.messages.scheduler_output import (PLACEHOLDER, CachedRequestData, ModelRunnerOutput, NewRequestData,
                                              SchedulerOutput)
 
 
@@ -81,6 +89,9 @@ class Scheduler:
         self._dropped_since_last_step: list[str] = []  # finished or preempted: runner forgets them
         self._runner_knows: set[str] = set()
         self.num_preemptions_total = 0
+        # Asynchronous scheduling with a runner-side drafter (set by the engine): a request whose
+        # verify step is in flight may be planned again, with the drafts that step proposes.
+        self.drafts_on_device = False
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -110,7 +121,6 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.drop_placeholders()  # the steps that would have computed them are not its concern now
-        request.drafts_in_flight = []
         request.status = status
         self.kv.free(request.request_id)
         self.requests.pop(request.request_id, None)
@@ -155,14 +165,14 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if self._awaits_last_token(request) or request.drafts_in_flight:
+            if self._awaits_last_token(request) or (request.drafts_in_flight and not self.plans_over_drafts(request)):
                 index += 1  # a verify step in flight: how many tokens it gives is not known yet
                 continue
             start = request.num_computed_tokens
             drafts = self._propose(request, budget, num_drafts)
             num_new = (1 + len(drafts) if drafts else
                        self._encoder_cut(request, start, self.kv.chunk_end(
-                           request.request_id, start, min(request.num_tokens, start + budget))) - start)
+                           request.request_id, start, min(request.num_tokens_if_accepted, start + budget))) - start)
             if num_new <= 0:
                 index += 1  # its next media item waits for the next step's encoder budget
                 continue
@@ -184,12 +194,11 @@ class Scheduler:
                     self._preempt(request)
                 preempted_this_step = True
                 break
-            out.cached_requests.append(
-                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
+            out.cached_requests.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens,
+                                                         request.num_unverified_drafts))
             if drafts:
                 out.draft_token_ids[request.request_id] = drafts
-                request.drafts_in_flight = drafts
-            self._schedule(request, num_new, out)
+            self._schedule(request, num_new, out, drafts)
             budget -= num_new
             index += 1
 
@@ -272,33 +281,38 @@ class Scheduler:
                 self._encoder_budget -= item.num_embeds
                 self._encoded_this_step.add(item.content_hash)
 
-    def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+    def _schedule(self, request: Request, num_new: int, out: SchedulerOutput, drafts: list[int] = ()) -> None:
         out.num_scheduled_tokens[request.request_id] = num_new
         # A verify step's state includes its drafts until the runner keeps the accepted one: never
-        # a checkpoint (its end, past the last known token, is never a checkpoint position anyway).
-        if not request.drafts_in_flight:
+        # a checkpoint (its end, past the last known token, is never a checkpoint position anyway),
+        # nor while one is in flight (the count is then a guess until it is read).
+        if not drafts and not request.drafts_in_flight:
             save = self.kv.save_checkpoint(request, request.num_computed_tokens + num_new)
             if save is not None:
                 out.state_saves.append(save)
-        self._advance(request, num_new)
+        self._advance(request, num_new, list(drafts))
 
-    @staticmethod
-    def _advance(request: Request, num_new: int) -> None:
+    def _advance(self, request: Request, num_new: int, drafts: list[int]) -> None:
         """Computation is counted when planned; a chunk that reaches the end of the sequence
         samples a token, held as a placeholder until the step's result arrives. A verify step's
         count runs past the sequence by its drafts until the result rolls it back."""
+        end = request.num_tokens_if_accepted
         request.num_computed_tokens += num_new
-        if request.num_computed_tokens >= request.num_tokens:
-            request.add_placeholder()
+        if request.num_computed_tokens >= end + len(drafts):
+            request.add_placeholder(drafts)
 
     def _lookahead_blocks(self, request: Request, end: int) -> list[int]:
         """A runner-side drafter that writes its cache past a step's last position (a chained MTP
         drafter): blocks for those slots when the step reaches the sequence's end and the pool has
         them free (never by preempting; without them the drafter proposes shorter drafts)."""
+        if end < request.num_tokens_if_accepted:
+            return []  # samples nothing: the drafter proposes nothing for it
         lookahead = getattr(self.drafter, "lookahead_tokens", 0)
-        if not lookahead or end < request.num_tokens:
-            return []
-        return self.kv.grow(request.request_id, min(end + lookahead, self.max_model_len)) or []
+        blocks = self.kv.grow(request.request_id, min(end + lookahead, self.max_model_len)) if lookahead else []
+        # What the step's drafter proposes for the next step on the device (drafts_on_device):
+        # all k where it has KV room for its lookahead, else nothing the scheduler can count on.
+        request.device_drafts_ready = getattr(self.drafter, "k", 0) if blocks is not None else 0
+        return blocks or []
 
     def _drafts_per_request(self) -> int:
         """This step's k: the drafter's, or the cost model's pick for the step's batch, the
@@ -313,22 +327,43 @@ class Scheduler:
         """Up to `num_drafts` drafts for a running request at its decode position, within the
         budget and its limits. Requests that follow a grammar are not drafted (a step gives them
         one token and one bitmask, docs/speculative.md); those that want logprobs are, and get
-        one TokenLogprobs per token the verify step gives them."""
-        if (self.drafter is None or num_drafts <= 0 or request.num_pending
-                or request.num_computed_tokens != request.num_tokens - 1):
+        one TokenLogprobs per token the verify step gives them. With a step in flight that
+        samples for the request (asynchronous scheduling), only drafts on the device qualify:
+        PLACEHOLDERs for those its drafter proposes there."""
+        unverified = request.num_unverified_drafts
+        if (self.drafter is None or num_drafts <= 0
+                or request.num_computed_tokens - unverified != request.num_tokens - 1):
             return []
         params = request.sampling_params
         if params.structured_outputs is not None:
             return []
-        # A verify step gives up to k + 1 tokens: never more than max_tokens or the context allow.
-        room = min(budget, self.max_model_len - request.num_tokens, num_drafts + 1) - 1
+        # A verify step gives up to k + 1 tokens: never more than max_tokens or the context allow,
+        # whatever the steps in flight accept.
+        end = request.num_tokens_if_accepted
+        room = min(budget, self.max_model_len - end, num_drafts + 1) - 1
         if params.max_tokens is not None:
-            room = min(room, params.max_tokens - request.num_output_tokens - 1)
-        history = request.runner_drafts if getattr(self.drafter, "runs_in_runner", False) else request.token_ids
-        drafts = self.drafter.propose(history, room) if room > 0 else []
+            room = min(room, params.max_tokens - request.num_output_tokens - unverified - 1)
+        if room <= 0:
+            return []
+        if request.num_pending:
+            if not (self.drafts_on_device and self.plans_over_drafts(request)):
+                return []
+            drafts = [PLACEHOLDER] * min(room, request.device_drafts_ready)
+        else:
+            history = request.runner_drafts if getattr(self.drafter, "runs_in_runner", False) else request.token_ids
+            drafts = self.drafter.propose(history, room)
         # Drafts never preempt another request: without free blocks for them, a plain step.
-        missing = self.kv.blocks_needed(request.num_tokens + len(drafts)) - len(self.kv.get_block_table(request.request_id))
+        missing = self.kv.blocks_needed(end + len(drafts)) - len(self.kv.get_block_table(request.request_id))
         return drafts if missing <= self.kv.num_free_blocks else []
+
+    def plans_over_drafts(self, request: Request) -> bool:
+        """Whether the request may be planned while a step verifying its drafts is in flight:
+        with drafts on the device, for a greedy request whose logits nothing edits (the
+        device's verdict is its token: no history, no random stream with an output index the
+        host cannot know yet). Others wait for the result (the engine reads it first)."""
+        params = request.sampling_params
+        return (self.drafts_on_device and params.greedy and not params.changes_logits
+                and params.structured_outputs is None)
 
     def _awaits_last_token(self, request: Request) -> bool:
         """A request whose pending token will be its last (max_tokens or the context length): no
@@ -367,17 +402,17 @@ class Scheduler:
             token = result.sampled_token_ids.get(request_id)
             request.runner_drafts = result.draft_token_ids.get(request_id, [])
             new_tokens = [token]
-            if request.drafts_in_flight:
-                new_tokens = self._apply_verification(request, result.num_accepted_drafts.get(request_id, 0), token)
-            elif token is not None:
-                request.resolve_placeholder(token)
+            if token is not None:
+                new_tokens = self._apply_result(request, result, token)
             self.kv.cache_computed(request, min(request.num_computed_tokens, request.num_known_tokens))
             if token is None:
                 continue  # a prefill chunk that does not reach the end of the prompt
             for count, new_token in enumerate(new_tokens, start=1):
                 status = self._check_stop(request, new_token, len(new_tokens) - count)
                 if status is not None:
-                    # Tokens after the one that stops it are dropped, as if never sampled.
+                    # Tokens after the one that stops it are dropped, as if never sampled, and so
+                    # is any step planned after it.
+                    request.drop_placeholders()
                     del request.token_ids[request.num_tokens - (len(new_tokens) - count):]
                     updates.append((request, new_tokens[:count]))
                     self.finish_request(request_id, status, request.stop_reason)
@@ -386,17 +421,21 @@ class Scheduler:
                 updates.append((request, new_tokens))
         return updates
 
-    def _apply_verification(self, request: Request, num_accepted: int, token: int) -> list[int]:
-        """A verify step's result: keep the accepted drafts and the sampled token, roll the
-        computed count back over the rejected drafts (their KV is stale from now on)."""
-        drafts, request.drafts_in_flight = request.drafts_in_flight, []
-        self.spec_stats.record(len(drafts), num_accepted)
-        if self.draft_length is not None:
-            self.draft_length.observe(len(drafts), num_accepted)
-        if request.status == RequestStatus.RUNNING:
-            request.num_computed_tokens -= len(drafts) - num_accepted  # a preempted one restarts from 0
-        request.resolve_verified(drafts[:num_accepted], token)
-        return drafts[:num_accepted] + [token]
+    def _apply_result(self, request: Request, result: ModelRunnerOutput, token: int) -> list[int]:
+        """The oldest step in flight's tokens for the request, in place of its placeholder. A
+        verify step keeps its accepted drafts and the sampled token and rolls the computed count
+        back over the rejected drafts (their KV is stale from now on)."""
+        drafts = request.inflight_drafts[0]
+        num_accepted = result.num_accepted_drafts.get(request.request_id, 0)
+        accepted = result.accepted_draft_ids.get(request.request_id, drafts[:num_accepted])
+        request.resolve_placeholder(accepted, token)
+        if drafts:
+            self.spec_stats.record(len(drafts), num_accepted)
+            if self.draft_length is not None:
+                self.draft_length.observe(len(drafts), num_accepted)
+            if request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens -= len(drafts) - num_accepted  # a preempted one restarts from 0
+        return accepted + [token]
 
     def _check_stop(self, request: Request, token: int, num_after: int = 0) -> RequestStatus | None:
         """Whether `token`, followed by `num_after` more new tokens of this step, ends the request."""

@@ -289,16 +289,22 @@ class VerifyGraphs(DecodeGraphs):
 
     def can_run_step(self, batch_inputs, num_sampled_rows: int) -> bool:
         layout = batch_inputs.layout
-        return (batch_inputs.host is not None and layout.num_seqs <= self.max_batch
-                and fits_verify_graph(layout.query_lens_cpu, layout.seq_lens_cpu, num_sampled_rows, self.query_len))
+        # Upper bounds of the lengths serve: a step planned over drafts in flight continues a
+        # computed context whatever that step accepts.
+        return (layout.num_seqs <= self.max_batch
+                and fits_verify_graph(layout.query_lens_cpu, layout.seq_len_bounds, num_sampled_rows, self.query_len))
 
     def run(self, batch_inputs) -> Replayed:
         """The logits and hidden states of every row of a verify step, in its ragged order, and
         the greedy verdict per sequence. Its layout is built on the host (batch_inputs.host) and
-        copied in whole: one upload of the rows' buffers, one of the sequences', the block tables."""
+        copied in whole: one upload of the rows' buffers, one of the sequences', the block tables.
+        A step some of whose inputs only the device holds (executor/last_step.py) is gathered
+        from the device tensors instead (`_copy_from_device`)."""
         layout, host = batch_inputs.layout, batch_inputs.host
         n, q = layout.num_seqs, self.query_len
         batch = next(s for s in self.sizes if s >= n)
+        if host is None:
+            return self._copy_from_device(batch_inputs, batch)
         row_buffers = self._staging(self.row_buffers)
         rows = row_buffers.numpy()
         rows[:] = np.array([[0], [0], [-1]])  # dummy rows: token 0, their sequence's last position, no KV write
@@ -321,10 +327,47 @@ class VerifyGraphs(DecodeGraphs):
         self.graphs[batch].replay()
         if full:  # the step's rows are the graph's first n * q
             return Replayed(self.outputs[batch], n * q, n)
-        index = self._staging(torch.from_numpy(placed.padded_rows))
-        index.numpy()[:] = placed.padded_rows
-        index = index.to(self.device, non_blocking=True)
-        return Replayed(self.outputs[batch], index, n)
+        return Replayed(self.outputs[batch], self._upload_index(placed.padded_rows), n)
+
+    def _upload_index(self, values: np.ndarray) -> torch.Tensor:
+        index = self._staging(torch.from_numpy(values))
+        index.numpy()[:] = values
+        return index.to(self.device, non_blocking=True)
+
+    def _copy_from_device(self, batch_inputs, batch: int) -> Replayed:
+        """`run` for a step whose input ids, positions, slots and lengths are the device's (a
+        step planned over a verify step in flight): graph row (i, t) takes sequence i's ragged row
+        min(t, len_i - 1), a dummy row (t >= len_i) with no KV write."""
+        layout = batch_inputs.layout
+        n, q = layout.num_seqs, self.query_len
+        lens = np.asarray(layout.query_lens_cpu, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        t = np.arange(q)
+        source = (starts[:, None] + np.minimum(t[None, :], lens[:, None] - 1)).ravel()
+        dummy = (t[None, :] >= lens[:, None]).ravel()
+        rows = batch * q
+        both = self._upload_index(np.concatenate([source, np.flatnonzero(dummy)]))
+        source_d, dummy_d = both[:n * q], both[n * q:]
+        torch.index_select(batch_inputs.input_ids, 0, source_d, out=self.input_ids[:n * q])
+        torch.index_select(layout.positions, 0, source_d, out=self.positions[:n * q])
+        torch.index_select(layout.slot_mapping, 0, source_d, out=self.slot_mapping[:n * q])
+        if dummy.any():
+            self.slot_mapping[dummy_d] = -1
+        if rows > n * q:
+            self.slot_mapping[n * q:rows].fill_(-1)  # padding sequences: no KV write
+        staged = self._staging(self.seq_buffers)
+        seqs = staged.numpy()
+        seqs[:] = np.array([[0], [1], [self.runner.padding_slot]])
+        seqs[1, :n] = lens
+        seqs[2, :n] = batch_inputs.state_slots_cpu
+        self.seq_buffers.copy_(staged, non_blocking=True)
+        self.seq_lens[:n].copy_(layout.seq_lens)
+        width = layout.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(layout.block_tables)
+        self.graphs[batch].replay()
+        if not dummy.any():
+            return Replayed(self.outputs[batch], n * q, n)
+        return Replayed(self.outputs[batch], self._upload_index(np.flatnonzero(~dummy)), n)
 
 
 class PrefillGraphs(CapturedGraphs):

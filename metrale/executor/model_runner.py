@@ -25,13 +25,14 @@ from metrale.config.model_config import ModelConfig
 from metrale.executor.cache_layout import CacheLayout
 from metrale.executor.cache_tensors import CacheTensors
 from metrale.executor.drafters.base import DraftInputs, DraftOutput, RunnerDrafter
+from metrale.executor.last_step import LastStep
 from metrale.executor.multimodal_step import mrope_positions, multimodal_batch
-from metrale.executor.rejection_sampler import verify_drafts
+from metrale.executor.rejection_sampler import verify_drafts, verify_drafts_greedy
 from metrale.executor.sampler import SampledTokens, SamplingRow, sample_tokens
 from metrale.kernels import kernel_path
 from metrale.layers.cache_backend import CacheBackend, get_backend
 from metrale.layers.cache_spec import cached_layers
-from metrale.layers.forward_context import BatchLayout, DraftStates, ForwardContext, set_forward_context
+from metrale.layers.forward_context import BatchLayout, DeviceLengths, DraftStates, ForwardContext, set_forward_context
 from metrale.messages.sampling_params import SamplingParams
 # A placeholder's value is on the device; the next step's input takes it there.
 from metrale.messages.scheduler_output import PLACEHOLDER, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -60,6 +61,19 @@ class RunnerRequest:
     media: list = None  # MediaItem per image / video of the prompt
     mrope_positions: np.ndarray | None = None  # int64 [3, prompt tokens]; None: the token indices
     mrope_delta: int = 0
+    # The plan's CachedRequestData.num_unverified_drafts: num_computed_tokens counts that many drafts
+    # of the step in flight, which the device moves this step's rows back over (last_step.py).
+    num_unverified_drafts: int = 0
+
+    def resolve_placeholder(self, tokens: list[int]) -> None:
+        """The oldest step in flight's tokens (a verify step's accepted drafts, then its sampled
+        token), in place of its placeholder: the first of the trailing ones."""
+        t = self.token_ids
+        first = len(t)
+        while first > self.num_prompt_tokens and t[first - 1] == PLACEHOLDER:
+            first -= 1
+        if first < len(t):
+            t[first:first + 1] = tokens
 
     @classmethod
     def of(cls, new: NewRequestData) -> "RunnerRequest":
@@ -94,8 +108,10 @@ class BatchInputs:
     chunk_next_ids: np.ndarray | None = None
     capacity: list[int] | None = None
     sampled_seq_index: list[int] | None = None  # each sampled request's sequence in the batch
-    # The host's copy of the inputs; None where an input id is a placeholder the device holds.
+    # The host's copy of the inputs; None where some are the device's alone (executor/last_step.py).
     host: HostRows | None = None
+    logits_indices_cpu: np.ndarray | None = None  # logits_indices, on the host
+    state_slots_cpu: np.ndarray | None = None  # int64 [num_seqs], on the host
     # `uses_mrope` models: int64 [3, T] positions (executor/multimodal_step.py); and the step's
     # placeholder rows with their encoder outputs, None without any.
     mrope_positions: torch.Tensor | None = None
@@ -115,51 +131,54 @@ class PendingOutput:
     """A launched step's sampled tokens, copied to the host without blocking. `result()` waits for
     them, writes them over the runner's placeholders, and builds the ModelRunnerOutput."""
 
-    def __init__(self, runner: "ModelRunner", request_ids: list[str], positions: list[int],
-                 sampled: SampledTokens | None, verified: "VerifiedDrafts | None" = None,
-                 drafts: DraftOutput | None = None):
-        self.runner, self.request_ids, self.positions, self.sampled = runner, request_ids, positions, sampled
+    def __init__(self, runner: "ModelRunner", request_ids: list[str], sampled: SampledTokens | None,
+                 verified: "VerifiedDrafts | None" = None, drafts: DraftOutput | None = None):
+        self.runner, self.request_ids, self.sampled = runner, request_ids, sampled
         self.verified = verified
         self.drafts = drafts  # a runner-side drafter's proposals for the next step, per sampled request
         self._result: ModelRunnerOutput | None = None
         self._host = self._event = None
-        if sampled is not None and sampled.tokens.is_cuda:  # the tokens, then the accepted counts: one wait
-            n = sampled.tokens.shape[0]
-            counts = verified.num_accepted.shape[0] if verified is not None else 0
-            self._host = torch.empty(n + counts, dtype=torch.int64, pin_memory=True)
-            self._host[:n].copy_(sampled.tokens, non_blocking=True)
-            if verified is not None:
-                self._host[n:].copy_(verified.num_accepted, non_blocking=True)
+        if sampled is not None and sampled.tokens.is_cuda:  # the tokens, the accepted counts, drafts: one wait
+            parts = [sampled.tokens] + (verified.device_parts() if verified is not None else [])
+            self._host = torch.empty(sum(p.numel() for p in parts), dtype=torch.int64, pin_memory=True)
+            offset = 0
+            for part in parts:
+                self._host[offset:offset + part.numel()].copy_(part.reshape(-1), non_blocking=True)
+                offset += part.numel()
             self._event = torch.cuda.Event()
             self._event.record()
+
+    def _read(self) -> tuple[list[int], list[int], list[int]]:
+        """(tokens, accepted counts, device-held drafts flattened), waiting for the copy."""
+        n = len(self.request_ids)
+        if self._event is not None:
+            self._event.synchronize()
+            values = self._host.tolist()
+        else:
+            parts = [self.sampled.tokens] + (self.verified.device_parts() if self.verified is not None else [])
+            values = [v for part in parts for v in part.reshape(-1).tolist()]
+        counts = len(self.verified.drafts) if self.verified is not None else 0
+        return values[:n], values[n:n + counts], values[n + counts:]
 
     def result(self) -> ModelRunnerOutput:
         if self._result is not None:
             return self._result
         out = ModelRunnerOutput()
         if self.sampled is not None:
-            n = len(self.request_ids)
-            if self._event is not None:
-                self._event.synchronize()
-                tokens, counts = self._host[:n].tolist(), self._host[n:].tolist()
-            else:
-                tokens = self.sampled.tokens.tolist()
-                counts = self.verified.num_accepted.tolist() if self.verified is not None else []
+            tokens, counts, device_drafts = self._read()
             logprobs = self.sampled.logprobs(tokens)
-            accepted = self.verified.read(counts) if self.verified is not None else {}
+            accepted = self.verified.read(counts, device_drafts) if self.verified is not None else {}
             draft_logprobs = self.sampled.draft_logprobs(
-                {i: accepted[rid][0][:accepted[rid][1]] + [tokens[i]]
-                 for i, rid in enumerate(self.request_ids) if rid in accepted})
-            for i, (request_id, position, token, lp) in enumerate(zip(self.request_ids, self.positions, tokens,
-                                                                      logprobs)):
-                state = self.runner.requests.get(request_id)
+                {i: accepted[rid] + [tokens[i]] for i, rid in enumerate(self.request_ids) if rid in accepted})
+            for i, (request_id, token, lp) in enumerate(zip(self.request_ids, tokens, logprobs)):
+                new_tokens = [token]
                 if request_id in accepted:
-                    drafts, num_accepted = accepted[request_id]
-                    out.num_accepted_drafts[request_id] = num_accepted
-                    if state is not None and state.token_ids[position:] == [PLACEHOLDER]:
-                        state.token_ids[position:] = drafts[:num_accepted] + [token]
-                elif state is not None and position < len(state.token_ids) and state.token_ids[position] == PLACEHOLDER:
-                    state.token_ids[position] = token
+                    out.num_accepted_drafts[request_id] = len(accepted[request_id])
+                    out.accepted_draft_ids[request_id] = accepted[request_id]
+                    new_tokens = accepted[request_id] + [token]
+                state = self.runner.requests.get(request_id)
+                if state is not None:
+                    state.resolve_placeholder(new_tokens)
                 out.sampled_token_ids[request_id] = token
                 if lp is not None:
                     out.logprobs[request_id] = [lp]
@@ -173,14 +192,27 @@ class PendingOutput:
 
 
 class VerifiedDrafts:
-    """A verify step's accepted counts on the device, and each verified request's drafts."""
+    """A verify step's accepted counts on the device, and each verified request's drafts (in the
+    rejection sampler's order). Drafts the scheduler planned as PLACEHOLDERs (proposed on the device
+    by the step before) are in `device_drafts`, [len(drafts), k] with -1 past a request's drafts."""
 
-    def __init__(self, drafts: dict[str, list[int]], num_accepted: torch.Tensor):
-        self.drafts, self.num_accepted = drafts, num_accepted
+    def __init__(self, drafts: dict[str, list[int]], num_accepted: torch.Tensor,
+                 device_drafts: torch.Tensor | None = None):
+        self.drafts, self.num_accepted, self.device_drafts = drafts, num_accepted, device_drafts
 
-    def read(self, num_accepted: list[int]) -> dict[str, tuple[list[int], int]]:
-        """Each verified request's (drafts, number accepted), from num_accepted read to the host."""
-        return {rid: (d, n) for (rid, d), n in zip(self.drafts.items(), num_accepted)}
+    def device_parts(self) -> list[torch.Tensor]:
+        """What the host reads back: the counts, then the device-held drafts."""
+        return [self.num_accepted] + ([self.device_drafts] if self.device_drafts is not None else [])
+
+    def read(self, num_accepted: list[int], device_drafts: list[int]) -> dict[str, list[int]]:
+        """Each verified request's accepted drafts, from what was read back to the host."""
+        width = len(device_drafts) // max(len(self.drafts), 1)
+        out = {}
+        for i, ((rid, drafts), n) in enumerate(zip(self.drafts.items(), num_accepted)):
+            if PLACEHOLDER in drafts:
+                drafts = device_drafts[i * width:i * width + len(drafts)]
+            out[rid] = drafts[:n]
+        return out
 
 
 class ModelRunner:
@@ -221,9 +253,9 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs, once captured
         self.verify_graphs = None  # VerifyGraphSet, once captured (speculative decoding)
         self.prefill_graphs = None  # PrefillGraphs, once captured
-        # The last launched step's sampled tokens on the device, and each request's row in them.
-        self._last_tokens: torch.Tensor | None = None
-        self._last_rows: dict[str, int] = {}
+        # What the last launched step sampled and drafted, on the device: the next step's inputs
+        # where it is planned before that step is read (asynchronous scheduling).
+        self.last_step = LastStep()
         # Structured outputs: the compiled grammars and a matcher per constrained request
         # (attach_grammars; absent without a tokenizer).
         self.grammars: GrammarCache | None = None
@@ -365,6 +397,7 @@ class ModelRunner:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            state.num_unverified_drafts = cached.num_unverified_drafts
         for request_id, drafts in plan.draft_token_ids.items():
             self.requests[request_id].token_ids.extend(drafts)  # this step's inputs; taken back once sampled
         if len(self.encoder_cache):
@@ -396,6 +429,9 @@ class ModelRunner:
         num_seqs = len(scheduled)
         query_lens = np.fromiter((n for _, _, n in scheduled), dtype=np.int64, count=num_seqs)
         starts = np.fromiter((st.num_computed_tokens for _, st, _ in scheduled), dtype=np.int64, count=num_seqs)
+        # Planned over a verify step in flight: starts (and so positions, slots, lengths) count its
+        # drafts as accepted until LastStep.fill moves them back on the device.
+        unverified = np.fromiter((st.num_unverified_drafts for _, st, _ in scheduled), dtype=np.int64, count=num_seqs)
         seq_lens = starts + query_lens
         query_start = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start[1:])
@@ -403,66 +439,78 @@ class ModelRunner:
         tables = np.zeros((num_seqs, width), dtype=np.int32)
         for i, (_, st, _) in enumerate(scheduled):
             tables[i, :len(st.block_ids)] = st.block_ids
-        if int(query_lens.max()) == 1:  # pure decode: one token each, no per-request slicing
-            input_ids = np.fromiter((st.token_ids[st.num_computed_tokens] for _, st, _ in scheduled),
-                                    dtype=np.int64, count=num_seqs)
+        input_ids = self._input_ids(plan, scheduled, query_lens)
+        if int(query_lens.max()) == 1:  # pure decode: one token each
             positions = starts
             seq_index = np.arange(num_seqs)
         else:
-            input_ids = np.concatenate([st.token_ids[st.num_computed_tokens:st.num_computed_tokens + n]
-                                        for _, st, n in scheduled]).astype(np.int64, copy=False)
             seq_index = np.repeat(np.arange(num_seqs), query_lens)
             positions = starts[seq_index] + (np.arange(len(input_ids)) - query_start[:-1][seq_index])
         slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-        sampled_rows = [i for i, (_, st, _) in enumerate(scheduled) if seq_lens[i] == len(st.token_ids)]
+        # A sequence samples when the step reaches its last token (always, planned over drafts).
+        sampled_rows = [i for i, (_, st, _) in enumerate(scheduled) if unverified[i] or seq_lens[i] == len(st.token_ids)]
         logits_indices = query_start[1:][sampled_rows] - 1
         logits_rows = None
+        num_drafts = np.fromiter((len(plan.draft_token_ids.get(rid, ())) for rid, _, _ in scheduled),
+                                 dtype=np.int64, count=num_seqs)
         if plan.draft_token_ids:  # a request with k drafts samples its last 1 + k positions
-            counts = [1 + len(plan.draft_token_ids.get(scheduled[i][0], ())) for i in sampled_rows]
+            counts = (1 + num_drafts[sampled_rows]).tolist()
             logits_indices = np.concatenate([np.arange(end - n + 1, end + 1) for end, n in zip(logits_indices, counts)])
             bounds = np.cumsum([0] + counts).tolist()
             logits_rows = [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-        holes = np.flatnonzero(input_ids == PLACEHOLDER)
-        wide = {"input_ids": input_ids, "positions": positions, "slots": slots, "logits_indices": logits_indices}
-        if holes.size:  # tokens the previous step sampled and the host has not read yet: from the device
-            wide["holes"] = holes
-            wide["hole_rows"] = np.fromiter((self._last_rows[scheduled[i][0]] for i in seq_index[holes]),
-                                            dtype=np.int64, count=holes.size)
+        sources = self.last_step.sources([rid for rid, _, _ in scheduled], seq_index, query_start, query_lens,
+                                         num_drafts, unverified, input_ids)
+        from_device = bool(sources)  # some inputs are only on the device: the host's copy is not the step's
+        wide = {"input_ids": input_ids, "positions": positions, "slots": slots, "logits_indices": logits_indices,
+                **sources}
         state_slots = np.fromiter((st.state_slot for _, st, _ in scheduled), dtype=np.int64, count=num_seqs)
         narrow = {"tables": tables, "seq_lens": seq_lens, "query_start": query_start,
                   "state_slots": state_slots, "has_state": starts > 0}
-        num_drafts = None
-        if plan.draft_token_ids and self.layout.has_state:  # where the states after each draft go
-            num_drafts = np.fromiter((len(plan.draft_token_ids.get(rid, ())) for rid, _, _ in scheduled),
-                                     dtype=np.int64, count=num_seqs)
+        kept_states = bool(plan.draft_token_ids) and self.layout.has_state  # where the states after each draft go
+        if kept_states:
             wide["drafted"] = np.flatnonzero(num_drafts)
             narrow["num_drafts"], narrow["draft_rows"] = num_drafts, self._draft_rows(num_drafts)
         dev = self._upload(wide, torch.int64)
         dev.update(self._upload(narrow, torch.int32))
-        if holes.size:
-            dev["input_ids"][dev["holes"]] = self._last_tokens[dev["hole_rows"]]
+        if from_device:
+            self.last_step.fill(dev, bs)
         layout = BatchLayout(
             positions=dev["positions"], query_start_loc=dev["query_start"], seq_lens=dev["seq_lens"],
             block_tables=dev["tables"], slot_mapping=dev["slots"], state_slots=dev["state_slots"],
             has_initial_state=dev["has_state"], max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()), query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
-            is_pure_decode=bool(query_lens.max() == 1 and starts.min() > 0))
-        if num_drafts is not None:
+            max_seq_len=int(seq_lens.max()), query_lens_cpu=query_lens.tolist(),
+            seq_lens_cpu=DeviceLengths(dev["seq_lens"]) if unverified.any() else seq_lens.tolist(),
+            is_pure_decode=bool(query_lens.max() == 1 and starts.min() > 0), seq_len_bounds_cpu=seq_lens.tolist())
+        if kept_states:
             layout.drafts = DraftStates(dev["num_drafts"], dev["draft_rows"], dev["drafted"], self.max_drafts,
                                         bool(starts.min() > 0 and (query_lens == 1 + num_drafts).all()))
         batch = BatchInputs(dev["input_ids"], layout, dev["logits_indices"], [scheduled[i][0] for i in sampled_rows],
-                            logits_rows, host=None if holes.size else HostRows(input_ids, positions, slots, state_slots))
+                            logits_rows, host=None if from_device else HostRows(input_ids, positions, slots, state_slots),
+                            logits_indices_cpu=logits_indices, state_slots_cpu=state_slots)
         if self.uses_mrope:
             batch.mrope_positions = torch.from_numpy(mrope_positions(scheduled, positions, seq_index)).to(self.device)
             batch.multimodal = multimodal_batch(self.model, self.encoder_cache, scheduled, starts, query_lens,
                                                 self.device, self.model_config.dtype)
         if self.drafter is not None:
             batch.chunk_next_ids = np.fromiter(
-                (st.token_ids[end] if end < len(st.token_ids) else PLACEHOLDER
-                 for (_, st, _), end in zip(scheduled, seq_lens.tolist())), dtype=np.int64, count=num_seqs)
+                (st.token_ids[end] if not u and end < len(st.token_ids) else PLACEHOLDER
+                 for (_, st, _), end, u in zip(scheduled, seq_lens.tolist(), unverified)),
+                dtype=np.int64, count=num_seqs)
             batch.capacity = [len(st.block_ids) * bs for _, st, _ in scheduled]
             batch.sampled_seq_index = list(sampled_rows)
         return batch
+
+    @staticmethod
+    def _input_ids(plan: SchedulerOutput, scheduled: list, query_lens: np.ndarray) -> np.ndarray:
+        """The step's input ids, PLACEHOLDER where only the device holds the token: a token the step
+        in flight sampled, a draft its drafter proposed. A request planned over its verify step in
+        flight starts at the token that step samples, then its drafts."""
+        if int(query_lens.max()) == 1:
+            return np.fromiter((PLACEHOLDER if st.num_unverified_drafts else st.token_ids[st.num_computed_tokens]
+                                for _, st, _ in scheduled), dtype=np.int64, count=len(scheduled))
+        rows = [[PLACEHOLDER] + plan.draft_token_ids.get(rid, []) if st.num_unverified_drafts
+                else st.token_ids[st.num_computed_tokens:st.num_computed_tokens + n] for rid, st, n in scheduled]
+        return np.concatenate(rows).astype(np.int64, copy=False)
 
     def _draft_rows(self, num_drafts: np.ndarray) -> np.ndarray:
         """[num_seqs, k] scratch rows of a verify step: batch index i's row for draft j, or the
@@ -501,7 +549,7 @@ class ModelRunner:
         self.caches.copy_blocks(plan.block_copies)
         self.caches.copy_slots(plan.state_restores)
         if plan.is_empty:
-            return PendingOutput(self, [], [], None)
+            return PendingOutput(self, [], None)
         batch = self.prepare_inputs(plan)
         # The graphs give the logits and the final hidden states; a drafter that reads inner
         # layers' outputs too (DFlash: `hidden_layers`) needs the eager forward.
@@ -512,7 +560,7 @@ class ModelRunner:
         if not batch.sampled_request_ids:
             if self.drafter is not None:  # a prefill chunk: the drafter fills its caches over it
                 self._draft(batch, outputs.hidden, None, None)
-            return PendingOutput(self, [], [], None)
+            return PendingOutput(self, [], None)
         states = [self.requests[request_id] for request_id in batch.sampled_request_ids]
         verified = None
         if plan.draft_token_ids and outputs.verdict is not None and self._verdict_settles(states):
@@ -527,14 +575,26 @@ class ModelRunner:
                 sampled = sample_tokens(logits, [SamplingRow(st.sampling_params, st.seed, st.token_ids,
                                                              st.num_prompt_tokens) for st in states],
                                         self._token_bitmask(batch.sampled_request_ids, states))
-        positions = []
         for state in states:
-            positions.append(len(state.token_ids))
             state.token_ids.append(PLACEHOLDER)
-        self._last_tokens = sampled.tokens
-        self._last_rows = {request_id: row for row, request_id in enumerate(batch.sampled_request_ids)}
-        drafts = self._draft(batch, outputs.hidden, sampled, verified) if self.drafter is not None else None
-        return PendingOutput(self, batch.sampled_request_ids, positions, sampled, verified, drafts)
+        accepted = self._accepted_per_row(batch.sampled_request_ids, verified)
+        self.last_step.record(batch.sampled_request_ids, sampled.tokens, accepted)
+        drafts = None
+        if self.drafter is not None:
+            drafts = self._draft(batch, outputs.hidden, sampled, accepted)
+            self.last_step.record_drafts(drafts.token_ids)
+        return PendingOutput(self, batch.sampled_request_ids, sampled, verified, drafts)
+
+    def _accepted_per_row(self, request_ids: list[str], verified: "VerifiedDrafts | None") -> torch.Tensor | None:
+        """int64 [len(request_ids)]: the drafts each sampled request had accepted (0 where none were
+        verified); None in a step that verifies nothing."""
+        if verified is None or not verified.drafts:
+            return None
+        if len(verified.drafts) == len(request_ids):  # every request drafted: the sampler's order is the batch's
+            return verified.num_accepted
+        accepted = torch.zeros(len(request_ids), dtype=torch.int64, device=self.device)
+        accepted[[i for i, rid in enumerate(request_ids) if rid in verified.drafts]] = verified.num_accepted
+        return accepted
 
     def _forward_eagerly(self, batch: BatchInputs) -> EagerOutputs:
         hidden = self.forward(batch)
@@ -542,7 +602,7 @@ class ModelRunner:
         return EagerOutputs(logits, hidden)
 
     def _draft(self, batch: BatchInputs, hidden: torch.Tensor, sampled: SampledTokens | None,
-               verified: "VerifiedDrafts | None") -> DraftOutput:
+               accepted: torch.Tensor | None) -> DraftOutput:
         """The runner-side drafter over this step (executor/drafters/base.py): its caches filled
         over the step's rows, the next step's drafts of every sampled request. No host sync."""
         ids, layout = batch.sampled_request_ids, batch.layout
@@ -553,13 +613,10 @@ class ModelRunner:
         if known.size:
             next_ids[torch.from_numpy(query_start[1:][known] - 1).to(self.device)] = \
                 torch.from_numpy(batch.chunk_next_ids[known]).to(self.device)
-        num_sampled = len(ids)
-        num_accepted = torch.zeros(num_sampled, dtype=torch.int64, device=self.device)
+        num_accepted = accepted if accepted is not None else \
+            torch.zeros(len(ids), dtype=torch.int64, device=self.device)
         first_rows = batch.logits_indices if batch.logits_rows is None else \
             batch.logits_indices[[rows.start for rows in batch.logits_rows]]
-        if verified is not None and verified.drafts:
-            spec = [i for i, rid in enumerate(ids) if rid in verified.drafts]  # verify_drafts' order
-            num_accepted[spec] = verified.num_accepted
         last_rows = first_rows + num_accepted
         tokens = sampled.tokens if sampled is not None else torch.empty(0, dtype=torch.int64, device=self.device)
         next_ids[last_rows] = tokens
@@ -593,7 +650,8 @@ class ModelRunner:
         spec = [i for i, rid in enumerate(ids) if rid in drafts]
         num_accepted = verdict[1] if len(spec) == len(ids) else verdict[1][spec]
         rows = self._rows_without_drafts(ids, states, drafts)
-        return self._verified(verdict[0], num_accepted, batch, rows, spec, drafts)
+        return self._verified(verdict[0], num_accepted, batch, rows, spec, drafts,
+                              device_drafts=self._device_drafts(batch, spec, drafts))
 
     def _sample_and_verify(self, logits: torch.Tensor, batch: BatchInputs, states: list[RunnerRequest],
                            drafts: dict[str, list[int]]) -> tuple[SampledTokens, VerifiedDrafts]:
@@ -614,13 +672,23 @@ class ModelRunner:
         else:  # every request drafted (batch 1's verify step): the logits rows are spec's, in order
             spec_logits = logits
         draft_raw = self._draft_raw_logprobs(spec_logits, spec, rows, [len(drafts[ids[i]]) for i in spec])
-        num_accepted, spec_tokens = verify_drafts(spec_logits, [rows[i] for i in spec], [drafts[ids[i]] for i in spec],
-                                                  [self._draft_q(ids[i], len(drafts[ids[i]])) for i in spec])
+        device_drafts = self._device_drafts(batch, spec, drafts)
+        if device_drafts is None:
+            num_accepted, spec_tokens = verify_drafts(spec_logits, [rows[i] for i in spec],
+                                                      [drafts[ids[i]] for i in spec],
+                                                      [self._draft_q(ids[i], len(drafts[ids[i]])) for i in spec])
+        else:  # planned over the step in flight: plain greedy rows alone (scheduler.plans_over_drafts)
+            if not all(rows[i].params.greedy and not rows[i].params.changes_logits for i in spec):
+                raise RuntimeError("a verify step of drafts the device holds reached a request that samples "
+                                   "or edits its logits")
+            num_accepted, spec_tokens = verify_drafts_greedy(spec_logits, [drafts[ids[i]] for i in spec],
+                                                             device_drafts)
         if plain:
             tokens[spec] = spec_tokens
         else:
             tokens = spec_tokens
-        sampled, verified = self._verified(tokens, num_accepted, batch, rows, spec, drafts, plain_sampled, plain)
+        sampled, verified = self._verified(tokens, num_accepted, batch, rows, spec, drafts, plain_sampled, plain,
+                                           device_drafts)
         sampled.draft_raw_logprobs = draft_raw
         return sampled, verified
 
@@ -648,8 +716,8 @@ class ModelRunner:
 
     def _verified(self, tokens: torch.Tensor, num_accepted: torch.Tensor, batch: BatchInputs,
                   rows: list[SamplingRow], spec: list[int], drafts: dict[str, list[int]],
-                  plain_sampled: SampledTokens | None = None,
-                  plain: list[int] = ()) -> tuple[SampledTokens, VerifiedDrafts]:
+                  plain_sampled: SampledTokens | None = None, plain: list[int] = (),
+                  device_drafts: torch.Tensor | None = None) -> tuple[SampledTokens, VerifiedDrafts]:
         """A verify step's result: its tokens (one per request, batch order) and the drafted
         requests' accepted counts (spec's order)."""
         ids = batch.sampled_request_ids
@@ -660,7 +728,24 @@ class ModelRunner:
         # Logprobs of plain rows; drafted rows' come from _draft_raw_logprobs.
         want = [plain[i] for i in plain_sampled.want_logprobs] if plain_sampled is not None else []
         sampled = SampledTokens(tokens, rows, want, plain_sampled.raw_logprobs if plain_sampled is not None else None)
-        return sampled, VerifiedDrafts({ids[i]: drafts[ids[i]] for i in spec}, num_accepted)
+        return sampled, VerifiedDrafts({ids[i]: drafts[ids[i]] for i in spec}, num_accepted, device_drafts)
+
+    @staticmethod
+    def _device_drafts(batch: BatchInputs, spec: list[int], drafts: dict[str, list[int]]) -> torch.Tensor | None:
+        """[len(spec), k] the drafted requests' drafts as the step's input ids hold them (-1 past
+        a request's drafts), where any is a PLACEHOLDER the device filled in (last_step.py); None
+        where the host knows them all."""
+        ids = batch.sampled_request_ids
+        if not any(PLACEHOLDER in drafts[ids[i]] for i in spec):
+            return None
+        width = max(len(drafts[ids[i]]) for i in spec)
+        num_rows = batch.input_ids.shape[0]
+        index = np.full((len(spec), width), num_rows, dtype=np.int64)  # the row after the last: -1
+        for r, i in enumerate(spec):
+            first = batch.logits_rows[i].start + 1  # a request's first sampled row is its last known token
+            index[r, :len(drafts[ids[i]])] = batch.logits_indices_cpu[first:first + len(drafts[ids[i]])]
+        padded = torch.cat([batch.input_ids, batch.input_ids.new_full((1,), -1)])
+        return padded[torch.from_numpy(index).to(batch.input_ids.device, non_blocking=True)]
 
     def _token_bitmask(self, request_ids: list[str], states: list[RunnerRequest]):
         """The constrained rows' token bitmask on the device, or None. Filled on the host while

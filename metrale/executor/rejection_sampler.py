@@ -77,11 +77,14 @@ def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[li
     return verify_drafts_reference(logits, rows, drafts, draft_probs)
 
 
-def verify_drafts_greedy(logits: torch.Tensor, drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_drafts_greedy(logits: torch.Tensor, drafts: list[list[int]],
+                         device_drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy rows whose logits nothing changes (no penalties, bias or min_tokens): the rule is
     an argmax per position and a comparison, a handful of small launches and one upload on any
     device (the general path's per-step host work costs a batch-1 verify step more than its
-    forward's extra rows). Returns what verify_drafts returns."""
+    forward's extra rows). `device_drafts`: [len(drafts), max drafts] the drafts on the logits'
+    device (-1 past a request's), where the host's lists hold placeholders; the lists then give
+    the counts only. Returns what verify_drafts returns."""
     counts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
     starts = np.concatenate([[0], np.cumsum(counts + 1)[:-1]]).astype(np.int64)
     width = int(counts.max()) + 1 if len(counts) else 1
@@ -90,14 +93,16 @@ def verify_drafts_greedy(logits: torch.Tensor, drafts: list[list[int]]) -> tuple
     offsets = np.minimum(np.arange(width)[None, :], counts[:, None])
     grid = starts[:, None] + offsets
     padded = np.full((len(drafts), width - 1), -1, dtype=np.int64)
-    for i, d in enumerate(drafts):
-        padded[i, :len(d)] = d
-    host = torch.from_numpy(np.concatenate([grid.ravel(), padded.ravel()]))
+    if device_drafts is None:
+        for i, d in enumerate(drafts):
+            padded[i, :len(d)] = d
+    host = torch.from_numpy(np.concatenate([grid.ravel(), padded.ravel()]) if device_drafts is None
+                            else np.ascontiguousarray(grid.ravel()))
     # Pinned and asynchronous: the host queues the argmax and the comparison behind the verify
     # forward instead of waiting for it at a pageable upload and launching them afterwards.
     both = (host.pin_memory() if logits.is_cuda else host).to(logits.device, non_blocking=True)
     grid_d = both[:grid.size].view(grid.shape)
-    drafts_d = both[grid.size:].view(padded.shape)
+    drafts_d = both[grid.size:].view(padded.shape) if device_drafts is None else device_drafts[:, :width - 1]
     target = logits.argmax(dim=-1)[grid_d]  # the first maximum, as the plain sampler takes it
     accepted = (target[:, :-1] == drafts_d).long().cumprod(dim=1).sum(dim=1)
     return accepted, target.gather(1, accepted[:, None]).squeeze(1)

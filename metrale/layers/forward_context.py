@@ -9,6 +9,7 @@ linear attention), and a layer reads its kind's backend and metadata from the co
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,34 @@ import torch
 
 if TYPE_CHECKING:
     from metrale.layers.cache_backend import CacheBackend
+
+
+class DeviceLengths(Sequence):
+    """Sequence lengths only the device knows: a step planned over a verify step still in flight
+    (asynchronous scheduling) has its lengths moved back on the device by the drafts that step
+    rejected (executor/last_step.py). A host reader gets them the first time it asks, at the price
+    of one wait for the device; their count is known without it. Readers that need no more than
+    upper bounds take BatchLayout.seq_len_bounds_cpu instead."""
+
+    def __init__(self, lengths: torch.Tensor):
+        self._device, self._host = lengths, None
+
+    def _values(self) -> list[int]:
+        if self._host is None:
+            self._host = self._device.tolist()
+        return self._host
+
+    def __len__(self) -> int:
+        return self._device.shape[0]
+
+    def __getitem__(self, index):
+        return self._values()[index]
+
+    def __iter__(self):
+        return iter(self._values())
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
 
 
 @dataclass
@@ -54,9 +83,9 @@ class BatchLayout:
     state_slots: torch.Tensor  # int32 [num_seqs]
     has_initial_state: torch.Tensor  # int32 [num_seqs]; 0: the sequence starts at position 0 this step
     max_query_len: int
-    max_seq_len: int
+    max_seq_len: int  # an upper bound
     query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
+    seq_lens_cpu: Sequence[int]  # a list, or DeviceLengths where only the device knows them
     # One new token for every sequence, each continuing a computed context (a first token of a
     # one-token prompt is not a decode: it has no state to continue).
     is_pure_decode: bool
@@ -70,10 +99,17 @@ class BatchLayout:
     # `supports_verify_graphs` are handed such a layout. 0: the usual ragged layout.
     uniform_query_len: int = 0
     real_query_lens: torch.Tensor | None = None  # int32 [num_seqs] with uniform_query_len
+    # Upper bounds of seq_lens the host knows without waiting for the device (None: seq_lens_cpu,
+    # which are then exact).
+    seq_len_bounds_cpu: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @property
+    def seq_len_bounds(self) -> Sequence[int]:
+        return self.seq_len_bounds_cpu if self.seq_len_bounds_cpu is not None else self.seq_lens_cpu
 
 
 @dataclass

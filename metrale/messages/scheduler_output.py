@@ -43,6 +43,10 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Asynchronous scheduling with drafts on the device: num_computed_tokens counts this many drafts
+    # of the request's step in flight as accepted; the runner moves the request's rows back by the
+    # drafts that step rejected, on the device (the host does not know yet).
+    num_unverified_drafts: int = 0
 
 
 @dataclass
@@ -63,7 +67,9 @@ class SchedulerOutput:
     # ends on a block boundary whose state the prefix cache keeps.
     state_saves: list[tuple[int, int]] = field(default_factory=list)
     # Speculative decoding: a request's draft tokens, verified this step. Its scheduled tokens
-    # are 1 + len(drafts): the last known token, then the drafts, each position sampled.
+    # are 1 + len(drafts): the last known token, then the drafts, each position sampled. A
+    # PLACEHOLDER draft is one the runner's drafter proposed in the step still in flight: only the
+    # device holds it (asynchronous scheduling).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
@@ -109,6 +115,8 @@ class ModelRunnerOutput:
     # are those drafts, then its sampled token (the resampled one at the first rejection, or the
     # bonus token after the last draft).
     num_accepted_drafts: dict[str, int] = field(default_factory=dict)
+    # ...and those accepted drafts' ids (the scheduler does not know drafts the device proposed).
+    accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
     # A runner-side drafter's (MTP, DFlash) drafts for a sampled request's next step, proposed on
     # the device from this step's hidden states; the scheduler keeps them on the request and
     # verifies them (cut to the room it has) in its next step.

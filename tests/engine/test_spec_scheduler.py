@@ -234,3 +234,100 @@ def test_speculative_config_from_the_command_line_and_num_drafts():
         EngineArgs.from_kwargs(speculative=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(OptionError, match="no drafter is configured"):
         EngineArgs.from_kwargs(num_drafts=3)
+
+
+# -- asynchronous scheduling with a drafter in the runner (drafts_on_device) -----------------------
+
+def make_device_scheduler(k=2, lookahead=1, **kw):
+    from metrale.engine.runner_drafts import RunnerDrafts
+
+    s = make_scheduler(drafter=RunnerDrafts(k, lookahead), **kw)
+    s.drafts_on_device = True
+    return s
+
+
+def answer(plan, tokens: dict, accepted: dict = {}, accepted_ids: dict = {}) -> ModelRunnerOutput:
+    """The runner's result of `plan`: a token per request that samples, drafts accepted per request."""
+    return ModelRunnerOutput({rid: t for rid, t in tokens.items() if rid in plan.num_scheduled_tokens},
+                             num_accepted_drafts=dict(accepted), accepted_draft_ids=dict(accepted_ids))
+
+
+def test_a_greedy_request_is_planned_over_its_verify_step_in_flight():
+    from metrale.messages.scheduler_output import PLACEHOLDER
+
+    s = make_device_scheduler()
+    r = make_request("a", list(range(1, 11)), max_tokens=30, temperature=0)
+    s.add_request(r)
+    prefill, _ = s.schedule()  # 10 prompt tokens; samples one (in flight)
+    first, _ = s.schedule()  # over it: that token, then the 2 drafts its drafter proposes on the device
+    assert first.num_scheduled_tokens == {"a": 3} and first.draft_token_ids == {"a": [PLACEHOLDER] * 2}
+    assert first.cached_requests[0].num_unverified_drafts == 0  # the prefill verified nothing
+    s.update(prefill, answer(prefill, {"a": 50}))
+    assert r.token_ids[10:] == [50, PLACEHOLDER] and r.num_computed_tokens == 13
+    second, _ = s.schedule()  # over the first verify step, as if it accepts both drafts
+    assert second.cached_requests[0].num_unverified_drafts == 2
+    assert second.cached_requests[0].num_computed_tokens == 13 and second.num_scheduled_tokens == {"a": 3}
+    # Room was reserved up to the last position the second step may reach, and the lookahead.
+    assert len(s.kv.get_block_table("a")) * 4 >= 16 + 1
+    s.update(first, answer(first, {"a": 61}, {"a": 1}, {"a": [60]}))  # one accepted, one rejected
+    assert r.token_ids[10:] == [50, 60, 61, PLACEHOLDER]
+    # The count rolled back by the rejected draft: the second step's rows start at 61 (position 12).
+    assert r.num_computed_tokens - r.num_unverified_drafts == r.num_tokens - 1 == 13
+    s.update(second, answer(second, {"a": 72}, {"a": 2}, {"a": [70, 71]}))
+    assert r.output_token_ids == [50, 60, 61, 70, 71, 72]
+    assert r.num_computed_tokens == r.num_tokens - 1 and not r.inflight_drafts
+    assert s.spec_stats.num_drafts == 2 and s.spec_stats.num_accepted_tokens == 3
+
+
+def test_requests_that_sample_wait_for_their_verify_step():
+    s = make_device_scheduler()
+    r = make_request("a", list(range(1, 11)), temperature=0.7)
+    s.add_request(r)
+    prefill, _ = s.schedule()
+    s.update(prefill, answer(prefill, {"a": 50}))
+    r.runner_drafts = [5, 6]  # what the runner's drafter proposed with the prefill's token
+    first, _ = s.schedule()
+    assert first.draft_token_ids == {"a": [5, 6]}  # nothing in flight: the host's drafts
+    second, _ = s.schedule()
+    assert "a" not in second.num_scheduled_tokens  # its output index is not known until it is read
+
+
+def test_a_stop_in_a_verify_step_drops_the_step_planned_after_it():
+    s = make_device_scheduler()
+    r = Request("a", list(range(1, 11)), SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[60]), seed=0)
+    s.add_request(r)
+    prefill, _ = s.schedule()
+    first, _ = s.schedule()
+    s.update(prefill, answer(prefill, {"a": 50}))
+    second, _ = s.schedule()
+    updates = s.update(first, answer(first, {"a": 62}, {"a": 2}, {"a": [60, 61]}))  # 60 stops it
+    assert updates == [(r, [60])]
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.output_token_ids == [50, 60]
+    assert s.update(second, answer(second, {"a": 70}, {"a": 1}, {"a": [63]})) == []
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_no_device_drafts_where_the_lookahead_found_no_room():
+    s = make_device_scheduler(k=3, lookahead=2, num_kv_blocks=4)  # 16 tokens of KV in all
+    r = make_request("a", list(range(1, 13)), max_tokens=30, temperature=0)
+    s.add_request(r)
+    s.schedule()  # 12 tokens in 3 blocks; the drafter's lookahead writes up to position 13: granted
+    assert r.device_drafts_ready == 3
+    first, _ = s.schedule()  # its token and 3 drafts at positions 12..15: the 4th block
+    assert len(first.draft_token_ids["a"]) == 3
+    # Its drafter would write positions 16 and 17 past them: no fifth block, so drafts it may
+    # leave short, and none are planned over it.
+    assert r.device_drafts_ready == 0
+    second, _ = s.schedule()
+    assert "a" not in second.draft_token_ids
+
+
+def test_max_tokens_counts_the_drafts_in_flight_as_accepted():
+    s = make_device_scheduler(k=3, lookahead=0)
+    r = make_request("a", list(range(1, 11)), max_tokens=6, temperature=0)
+    s.add_request(r)
+    prefill, _ = s.schedule()
+    first, _ = s.schedule()  # 1 output pending: room for 3 drafts and the bonus (5 outputs at most)
+    assert len(first.draft_token_ids["a"]) == 3
+    second, _ = s.schedule()  # if all 3 are accepted, 5 outputs: one more token, no draft
+    assert "a" in second.num_scheduled_tokens and "a" not in second.draft_token_ids

@@ -63,8 +63,8 @@ def test_a_step_takes_the_smallest_verify_graph_that_holds_it():
     assert graphs._pick(step.layout) is None and not graphs.can_run_step(step, 18)
     step = SimpleNamespace(layout=_layout([3, 1], [9, 5]), host=SimpleNamespace())
     assert graphs.can_run_step(step, 4)
-    step.host = None  # an input id the device holds (a placeholder): the layout cannot be built on the host
-    assert not graphs.can_run_step(step, 4)
+    step.host = None  # inputs the device holds (a placeholder, rows moved back): copied from the device
+    assert graphs.can_run_step(step, 4)
 
 
 def test_mla_verify_row_map():
@@ -219,3 +219,24 @@ def test_verify_graph_steps_take_the_greedy_verdict_and_sampled_rows_their_logit
     assert len(rejections) > 0
     eager, _ = engine(graphs=False)
     assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, mixed, use_tqdm=False)]
+
+
+@pytest.mark.skipif(not (HAS_TRITON and interpret_mode()), reason="needs triton's CPU interpreter")
+def test_steps_planned_over_drafts_in_flight_replay_from_the_device(checkpoint_factory, tmp_path, monkeypatch):
+    """Asynchronous scheduling with MTP drafts: a verify step planned over the one in flight has
+    its drafts, positions, slots and lengths on the device alone; the graph copies them from there
+    (padded to the graph's rows where a sequence drafts fewer) and gives plain greedy's tokens."""
+    path = checkpoint_factory("llama")
+    write_mtp_layer(path, str(tmp_path / "mtp"), passthrough=True, **DENSE)
+    kwargs = dict(dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=4)
+    plain = _tokens(LLM(path, **kwargs))
+    llm = _with_triton_backends(LLM(str(tmp_path / "mtp"), speculative_config=MTP, async_scheduling=True, **kwargs))
+    runner = llm.llm_engine.runner
+    max_model_len = llm.llm_engine.model_config.max_model_len
+    runner.verify_graphs = EagerVerifyGraphs(runner, [1, 2, 4], -(-max_model_len // runner.block_size), max_model_len,
+                                             1 + MTP["num_speculative_tokens"])
+    runner.verify_graphs.capture()
+    from_device = _count_calls(monkeypatch, runner.verify_graphs, "_copy_from_device")
+    assert _tokens(llm) == plain
+    assert len(from_device) > 0
+    assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0

@@ -15,9 +15,9 @@ after draft j's, with the layer's own hidden state of the previous pass and draf
 it). On hybrid targets the MTP layer is attention only; the target's recurrent state is rolled
 back by the verify step's scratch slots, as for any drafter. A chained pass writes the layer's cache at positions past the step's
 last computed one (`lookahead_tokens` = k - 1, which the scheduler reserves); those entries are
-overwritten when the trunk computes the positions. A chained pass reads the accepted counts on the
-host (one sync) to lay out its rows; k = 1 never syncs. A draft stops where its request's
-blocks end.
+overwritten when the trunk computes the positions. No pass waits for the device: the rows'
+positions stay there, and the host lays the passes out with upper bounds of their lengths. A
+draft stops where its request's blocks end.
 
 Drafts are the layer's argmax (point masses: the rejection sampler's n-gram rule), under greedy
 and sampled requests alike: lossless either way, since the verifier decides.
@@ -30,7 +30,7 @@ import logging
 import torch
 
 from metrale.executor.drafters.base import DraftInputs, DraftOutput, RunnerDrafter
-from metrale.layers.forward_context import BatchLayout, set_forward_context
+from metrale.layers.forward_context import BatchLayout, DeviceLengths, set_forward_context
 
 logger = logging.getLogger(__name__)
 
@@ -72,34 +72,34 @@ class MTPDrafter(RunnerDrafter):
 
     def _chain(self, inputs: DraftInputs, hidden: torch.Tensor, token: torch.Tensor, drafts: torch.Tensor) -> None:
         """Drafts 2..k, one row per sampled request per pass; a request's draft ends where its
-        blocks (or the context) end."""
+        blocks (or the context) end. Its rows' positions stay on the device (no host sync): the
+        host lays the passes out with upper bounds of their lengths."""
         layout, device, bs = inputs.layout, hidden.device, self.block_size
         seqs = torch.tensor(inputs.seq_index_cpu, device=device)
         tables = layout.block_tables[seqs]
-        last = layout.positions[inputs.last_rows].tolist()  # the host sync of a chained drafter
-        room = [min(inputs.capacity_cpu[s], self.max_model_len) for s in inputs.seq_index_cpu]
-        n = len(last)
+        last = layout.positions[inputs.last_rows]
+        room = torch.tensor([min(inputs.capacity_cpu[s], self.max_model_len) for s in inputs.seq_index_cpu],
+                            device=device)
+        bounds = [layout.seq_len_bounds[s] for s in inputs.seq_index_cpu]  # >= each last row's position + 1
+        n = len(bounds)
+        query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
+        has_state = torch.ones(n, dtype=torch.int32, device=device)
         for j in range(1, self.k):
-            positions_cpu = [p + j for p in last]
-            fits = [p < r for p, r in zip(positions_cpu, room)]
-            if not any(fits):
-                break
-            positions_cpu = [p if ok else 0 for p, ok in zip(positions_cpu, fits)]
-            positions = torch.tensor(positions_cpu, dtype=torch.int64, device=device)
-            fits_dev = torch.tensor(fits, device=device)
+            positions = last + j
+            fits = positions < room
+            positions = torch.where(fits, positions, 0)
             blocks = tables.gather(1, (positions // bs)[:, None].to(tables.dtype)).squeeze(1).long()
-            slots = torch.where(fits_dev, blocks * bs + positions % bs, -1)
-            seq_lens_cpu = [p + 1 for p in positions_cpu]
+            slots = torch.where(fits, blocks * bs + positions % bs, -1)
+            bounds_j = [b + j for b in bounds]
             step = BatchLayout(
-                positions=positions, query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
-                seq_lens=torch.tensor(seq_lens_cpu, dtype=torch.int32, device=device), block_tables=tables,
-                slot_mapping=slots, state_slots=layout.state_slots[seqs],
-                has_initial_state=torch.ones(n, dtype=torch.int32, device=device), max_query_len=1,
-                max_seq_len=max(seq_lens_cpu), query_lens_cpu=[1] * n, seq_lens_cpu=seq_lens_cpu,
-                is_pure_decode=True)
+                positions=positions, query_start_loc=query_start, seq_lens=(positions + 1).to(torch.int32),
+                block_tables=tables, slot_mapping=slots, state_slots=layout.state_slots[seqs],
+                has_initial_state=has_state, max_query_len=1, max_seq_len=max(bounds_j), query_lens_cpu=[1] * n,
+                seq_lens_cpu=DeviceLengths((positions + 1).to(torch.int32)), is_pure_decode=True,
+                seq_len_bounds_cpu=bounds_j)
             with set_forward_context(inputs.forward_context(step)):
                 hidden = self.layer(positions, token, hidden, self.model.model.embed_tokens)
             token = self._logits(hidden, inputs.sampled_vocab_size).argmax(dim=-1)
             # A draft is a prefix: once a request's row does not fit, its later drafts stay -1.
-            keep = fits_dev & (drafts[:, j - 1] >= 0)
+            keep = fits & (drafts[:, j - 1] >= 0)
             drafts[:, j] = torch.where(keep, token, -1)

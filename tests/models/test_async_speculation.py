@@ -1,0 +1,211 @@
+"""Speculative decoding under asynchronous scheduling (engine/scheduler.py, executor/last_step.py):
+with a drafter in the runner (MTP, DFlash), step N+1 is planned and launched while step N, a verify
+step, is in flight. A greedy request is planned over it with the drafts step N's drafter left on
+the device, its rows laid out as if step N accepted every draft, and moved back on the device by
+the drafts it rejected; step N's result rolls the host's count back by as many.
+
+- Lossless: greedy tokens equal transformers' and the synchronous engine's (k = 1, 2, 3; dense and
+  hybrid targets, MTP and DFlash drafters), with steps really planned over drafts in flight
+  (counted) and drafts accepted (a passthrough MTP layer); under chunked prefill with forced
+  preemption, prefix hits and tp=2.
+- Requests that sample, edit their logits or ask for logprobs: the same outputs as the synchronous
+  engine (the sampled and penalized ones read the step before their next plan).
+- Stops inside a verify step with the next step already planned, and aborts: outputs end where
+  plain decoding ends, and every block and state slot is free at idle.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from checkpoints import make_checkpoint
+from hybrid_checkpoints import SPEC_INITIALIZER_RANGE, make_hybrid_checkpoint
+from metrale import LLM, SamplingParams
+from qwen_mtp_checkpoints import (DENSE, LAYERS, MTP_GREEDY, assert_drafted_and_idle, greedy, mtp_checkpoint_cache,
+                                  mtp_engine)
+from hybrid_checkpoints import spec_prompts
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """A passthrough MTP layer (it drafts the target's last token again): drafts are accepted
+    where the target repeats itself."""
+    return mtp_checkpoint_cache(tmp_path_factory, "async_mtp", lambda path, family: make_checkpoint(
+        path, family, num_hidden_layers=2, initializer_range=SPEC_INITIALIZER_RANGE), passthrough=True, **DENSE)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    return mtp_checkpoint_cache(tmp_path_factory, "async_mtp_hybrid", lambda path, family: make_hybrid_checkpoint(
+        path, family, num_hidden_layers=LAYERS, initializer_range=SPEC_INITIALIZER_RANGE), passthrough=True)
+
+
+def count_overlapped_plans(llm: LLM) -> list[int]:
+    """Counts, in a one-element list, the requests planned while their verify step was in flight."""
+    scheduler, counted = llm.llm_engine.scheduler, [0]
+    schedule = scheduler.schedule
+
+    def counting():
+        plan, ended = schedule()
+        counted[0] += sum(1 for c in plan.cached_requests if c.num_unverified_drafts)
+        return plan, ended
+
+    scheduler.schedule = counting
+    return counted
+
+
+def async_engine(path: str, k: int, **kwargs) -> LLM:
+    llm = mtp_engine(path, k, async_scheduling=True, **kwargs)
+    assert llm.llm_engine.async_scheduling and llm.llm_engine.scheduler.drafts_on_device
+    return llm
+
+
+@pytest.mark.parametrize("family, k", [("qwen3", 1), ("llama", 2), ("qwen3", 3)])
+def test_greedy_equals_transformers_with_steps_planned_over_drafts(dense, family, k):
+    _, path, _, expected = dense(family)
+    llm = async_engine(path, k)
+    overlapped = count_overlapped_plans(llm)
+    assert greedy(llm) == expected
+    assert overlapped[0] > 0
+    assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert_drafted_and_idle(llm)
+
+
+def test_chunked_prefill_and_preemption(dense):
+    _, path, _, expected = dense("qwen3")
+    llm = async_engine(path, 2, max_num_batched_tokens=12, num_kv_blocks=24, block_size=4)
+    overlapped = count_overlapped_plans(llm)
+    assert greedy(llm) == expected
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    assert overlapped[0] > 0
+    assert_drafted_and_idle(llm)
+
+
+def test_prefix_hits(dense):
+    _, path, _, expected = dense("llama")
+    llm = async_engine(path, 3, block_size=4)
+    assert greedy(llm) == expected
+    overlapped = count_overlapped_plans(llm)
+    assert greedy(llm) == expected  # again: the prompts' blocks are cached now
+    assert llm.llm_engine.scheduler.kv.prefix_hits_total > 0
+    assert overlapped[0] > 0
+    assert_drafted_and_idle(llm)
+
+
+def test_hybrid_target_keeps_the_state_of_the_last_accepted_draft(hybrid):
+    _, path, _, expected = hybrid("qwen3_next")
+    llm = async_engine(path, 2)
+    overlapped = count_overlapped_plans(llm)
+    assert greedy(llm) == expected
+    assert overlapped[0] > 0
+    assert_drafted_and_idle(llm)
+
+
+def _outputs(llm: LLM, params: list[SamplingParams]):
+    """Per request, per completion: tokens, finish reason, and each token's top logprobs rounded
+    (a row's float32 rounding depends on the shape of the step it ran in)."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in spec_prompts()], params, use_tqdm=False)
+    return [[(o.token_ids, o.finish_reason,
+              [[(t, lp.rank, round(lp.logprob, 4)) for t, lp in sorted(top.items())] for top in o.logprobs]
+              if o.logprobs else None) for o in r.outputs] for r in outs]
+
+
+def test_greedy_requests_with_logprobs_are_planned_over_drafts(dense):
+    _, path, _, _ = dense("llama")
+    params = [SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True), MTP_GREEDY] * 3
+    expected = _outputs(mtp_engine(path, 2), params)
+    llm = async_engine(path, 2)
+    overlapped = count_overlapped_plans(llm)
+    assert _outputs(llm, params) == expected
+    assert overlapped[0] > 0
+    assert_drafted_and_idle(llm)
+
+
+def test_sampled_and_edited_requests_read_the_step_before(dense):
+    """Their random streams are keyed by the output index and penalties read the tokens, which a
+    verify step in flight leaves unknown: the engine reads such a step before planning the next."""
+    _, path, _, _ = dense("llama")
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
+        SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, logit_bias={7: 2.0}, ignore_eos=True),
+        MTP_GREEDY,
+    ]
+    expected = _outputs(mtp_engine(path, 2), params)
+    llm = async_engine(path, 2)
+    assert _outputs(llm, params) == expected
+    assert_drafted_and_idle(llm)
+
+
+def test_a_stop_inside_a_verify_step_ends_where_plain_decoding_ends(dense):
+    """A stop token accepted among a verify step's drafts, with the request's next step planned
+    already: the tokens after it are dropped, and so is that step."""
+    _, path, _, expected = dense("qwen3")
+    plain = LLM(path, dtype="float32", device="cpu")
+    llm = async_engine(path, 3)
+    prompts = [{"prompt_token_ids": p} for p in spec_prompts()]
+    for tokens in expected:
+        params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[tokens[5]], ignore_eos=True)
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+    assert_drafted_and_idle(llm)
+
+
+def test_aborts_free_everything(dense):
+    _, path, _, expected = dense("llama")
+    llm = async_engine(path, 2)
+    engine = llm.llm_engine
+    for i, prompt in enumerate(spec_prompts()):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, MTP_GREEDY)
+    for _ in range(4):
+        engine.step()
+    assert engine.scheduler.spec_stats.num_drafts > 0
+    for i in range(0, len(spec_prompts()), 2):
+        engine.abort_request(str(i))
+    while engine.has_unfinished_requests():
+        engine.step()
+    kv = engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    assert greedy(llm) == expected  # and the engine serves on
+
+
+def test_dflash_drafter(tmp_path):
+    from checkpoints import load_reference, reference_greedy
+    from dflash_checkpoints import make_dflash_drafter, make_dflash_target
+
+    target = make_dflash_target(str(tmp_path / "target"), "qwen3")
+    drafter = make_dflash_drafter(str(tmp_path / "drafter"), target)
+    model = load_reference(target)
+    expected = [reference_greedy(model, p, 12) for p in spec_prompts()]
+    llm = LLM(target, dtype="float32", device="cpu", async_scheduling=True,
+              speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": 3})
+    assert llm.llm_engine.scheduler.drafts_on_device
+    overlapped = count_overlapped_plans(llm)
+    assert greedy(llm) == expected
+    assert overlapped[0] > 0
+    assert_drafted_and_idle(llm)
+
+
+def test_tensor_parallel_two_ranks(dense):
+    _, path, _, expected = dense("qwen3")
+    llm = async_engine(path, 2, tp_size=2)
+    try:
+        overlapped = count_overlapped_plans(llm)
+        assert greedy(llm) == expected
+        assert overlapped[0] > 0
+        assert_drafted_and_idle(llm)
+    finally:
+        llm.close()
+
+
+def test_ngram_drafts_keep_scheduling_synchronous(dense, caplog):
+    """Prompt lookup proposes from the tokens of the step before, on the host: it cannot be
+    planned over a step in flight, and the engine says so when asked."""
+    _, path, _, _ = dense("qwen3")
+    llm = LLM(path, dtype="float32", device="cpu", async_scheduling=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert not llm.llm_engine.async_scheduling
+    assert "runs its steps synchronously" in caplog.text
