@@ -6,7 +6,8 @@
 # verify:  benchmarks/spec_verify_bench.py alone (VERIFY_BATCHES, VERIFY_KS);
 # bench:   benchmarks/spec_verify_bench.py (a verify step against a plain one) and
 #          `met benchmark spec-cost-table` on the Qwen3-8B config;
-# latency: batch-1 `met bench latency` plain, with n-gram drafts and with MTP drafts (the demo's
+# latency: batch-1 `met bench latency` plain, with n-gram drafts and with MTP drafts (asynchronous
+#          scheduling, then synchronous; the demo's
 #          trained mtp.safetensors; the Qwen3-8B config's dummy MTP layer, declared by
 #          --hf-overrides num_nextn_predict_layers 1), demo model and Qwen3-8B config
 #          (after `bench`, also with --spec-cost-model measured over the table it wrote; SPEC_TABLE
@@ -59,6 +60,10 @@ for part in "$@"; do
         timeout 100 $MET bench latency $common "${mtp_overrides[@]}" --speculative-config '{"method": "mtp"}' \
           --output-json "$W/latency_${model}_mtp.json" > "$W/latency_${model}_mtp.log" 2>&1
         tail -5 "$W/latency_${model}_mtp.log"
+        # the same, its verify steps read one by one (planned after the step before is read)
+        timeout 100 $MET bench latency $common "${mtp_overrides[@]}" --speculative-config '{"method": "mtp"}' \
+          --no-async-scheduling --output-json "$W/latency_${model}_mtp_sync.json" > "$W/latency_${model}_mtp_sync.log" 2>&1
+        tail -5 "$W/latency_${model}_mtp_sync.log"
       done
       TABLE=${SPEC_TABLE:-$W/spec_cost_qwen3_8b_h200.json}
       if [ -f "$TABLE" ]; then  # after `bench` (or SPEC_TABLE): k chosen per step from the table

@@ -75,3 +75,45 @@ def test_dense_mtp_target_steps_replay_graphs(family, tmp_path):
     assert replays, "no target step replayed a graph"
     stats = llm.llm_engine.scheduler.spec_stats
     assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
+def test_async_scheduling_plans_verify_steps_over_drafts_on_the_device(family, tmp_path):
+    """With asynchronous scheduling (the default on CUDA), a greedy request is planned over its
+    verify step in flight with the drafts the MTP layer left on the device; its rows move back on
+    the device by the drafts rejected. The tokens equal the synchronous engine's; the dense
+    target's verify graphs take such steps from the device."""
+    if family == "qwen3_next":
+        if not hasattr(transformers, HYBRID_FAMILIES[family][1]):
+            pytest.fail(f"transformers {transformers.__version__} has no {HYBRID_FAMILIES[family][1]}")
+        path = make_qwen_mtp_checkpoint(str(tmp_path), family, passthrough=True)
+    else:
+        base = make_checkpoint(str(tmp_path / "base"), family, num_hidden_layers=2,
+                               initializer_range=SPEC_INITIALIZER_RANGE)
+        path = str(tmp_path / "with_mtp")
+        write_mtp_layer(base, path, passthrough=True, **DENSE)
+    _, synchronous = run(path, async_scheduling=False)
+    llm = LLM(path, dtype="float32", device="cuda", num_kv_blocks=256, max_num_seqs=16,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    engine = llm.llm_engine
+    assert engine.async_scheduling and engine.scheduler.drafts_on_device
+    overlapped, from_device, schedule = [0], [], engine.scheduler.schedule
+
+    def counting():
+        plan, ended = schedule()
+        overlapped[0] += sum(1 for c in plan.cached_requests if c.num_unverified_drafts)
+        return plan, ended
+
+    engine.scheduler.schedule = counting
+    graphs = engine.runner.verify_graphs
+    if graphs is not None:
+        for g in graphs.by_rows.values():
+            g._copy_from_device = (lambda inner: lambda *a: from_device.append(1) or inner(*a))(g._copy_from_device)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == synchronous
+    assert overlapped[0] > 0
+    assert engine.scheduler.spec_stats.num_accepted_tokens > 0
+    if family == "qwen3":
+        assert from_device, "no verify step planned over drafts in flight replayed a graph"
+    kv = engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
