@@ -14,7 +14,7 @@ decoding) is computed over its last token and its drafts, and the rejection samp
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,6 +26,7 @@ from metrale.executor.cache_layout import CacheLayout
 from metrale.executor.cache_tensors import CacheTensors
 from metrale.executor.drafters.base import DraftInputs, DraftOutput, RunnerDrafter
 from metrale.executor.last_step import LastStep
+from metrale.executor.step_indices import speculative_indices
 from metrale.executor.multimodal_step import mrope_positions, multimodal_batch
 from metrale.executor.rejection_sampler import verify_drafts, verify_drafts_greedy
 from metrale.executor.sampler import SampledTokens, SamplingRow, sample_tokens
@@ -102,16 +103,16 @@ class BatchInputs:
     # Speculative decoding: the rows of logits_indices each sampled request owns (1 + k for one
     # with drafts, 1 otherwise), in sampled_request_ids' order; None without drafts in the batch.
     logits_rows: list[range] | None = None
-    # A runner-side drafter's view (executor/drafters/base.py), host side: the token after each
-    # sequence's last row where it is known (a chunk that stops short of the sequence's end), else
-    # PLACEHOLDER, and each sequence's KV room in tokens. None without a drafter.
-    chunk_next_ids: np.ndarray | None = None
+    # A runner-side drafter's view (executor/drafters/base.py), host side: each sequence's KV room
+    # in tokens. None without a drafter.
     capacity: list[int] | None = None
     sampled_seq_index: list[int] | None = None  # each sampled request's sequence in the batch
     # The host's copy of the inputs; None where some are the device's alone (executor/last_step.py).
     host: HostRows | None = None
     logits_indices_cpu: np.ndarray | None = None  # logits_indices, on the host
     state_slots_cpu: np.ndarray | None = None  # int64 [num_seqs], on the host
+    # Speculative steps and runner-side drafters: executor/step_indices.py's arrays, on the device.
+    index: dict[str, torch.Tensor] = field(default_factory=dict)
     # `uses_mrope` models: int64 [3, T] positions (executor/multimodal_step.py); and the step's
     # placeholder rows with their encoder outputs, None without any.
     mrope_positions: torch.Tensor | None = None
@@ -139,7 +140,9 @@ class PendingOutput:
         self._result: ModelRunnerOutput | None = None
         self._host = self._event = None
         if sampled is not None and sampled.tokens.is_cuda:  # the tokens, the accepted counts, drafts: one wait
-            parts = [sampled.tokens] + (verified.device_parts() if verified is not None else [])
+            # Read in one copy behind this step's work: a later read of a device tensor would wait
+            # for the step launched after this one too (asynchronous scheduling).
+            parts = self._parts()
             self._host = torch.empty(sum(p.numel() for p in parts), dtype=torch.int64, pin_memory=True)
             offset = 0
             for part in parts:
@@ -148,24 +151,31 @@ class PendingOutput:
             self._event = torch.cuda.Event()
             self._event.record()
 
-    def _read(self) -> tuple[list[int], list[int], list[int]]:
-        """(tokens, accepted counts, device-held drafts flattened), waiting for the copy."""
+    def _parts(self) -> list[torch.Tensor]:
+        """What the host reads back: the tokens, the verified parts, the next step's drafts."""
+        return ([self.sampled.tokens] + (self.verified.device_parts() if self.verified is not None else [])
+                + ([self.drafts.token_ids] if self.drafts is not None else []))
+
+    def _read(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(tokens, accepted counts, device-held drafts flattened, the drafter's proposals
+        flattened), waiting for the copy."""
         n = len(self.request_ids)
         if self._event is not None:
             self._event.synchronize()
             values = self._host.tolist()
         else:
-            parts = [self.sampled.tokens] + (self.verified.device_parts() if self.verified is not None else [])
-            values = [v for part in parts for v in part.reshape(-1).tolist()]
+            values = [v for part in self._parts() for v in part.reshape(-1).tolist()]
+        proposed = self.drafts.token_ids.numel() if self.drafts is not None else 0
         counts = len(self.verified.drafts) if self.verified is not None else 0
-        return values[:n], values[n:n + counts], values[n + counts:]
+        end = len(values) - proposed
+        return values[:n], values[n:n + counts], values[n + counts:end], values[end:]
 
     def result(self) -> ModelRunnerOutput:
         if self._result is not None:
             return self._result
         out = ModelRunnerOutput()
         if self.sampled is not None:
-            tokens, counts, device_drafts = self._read()
+            tokens, counts, device_drafts, proposed = self._read()
             logprobs = self.sampled.logprobs(tokens)
             accepted = self.verified.read(counts, device_drafts) if self.verified is not None else {}
             draft_logprobs = self.sampled.draft_logprobs(
@@ -185,8 +195,9 @@ class PendingOutput:
                 elif i in draft_logprobs:
                     out.logprobs[request_id] = draft_logprobs[i]
             if self.drafts is not None:
-                for request_id, row in zip(self.request_ids, self.drafts.token_ids.tolist()):
-                    out.draft_token_ids[request_id] = [t for t in row if t >= 0]
+                k = self.drafts.token_ids.shape[1]
+                for i, request_id in enumerate(self.request_ids):
+                    out.draft_token_ids[request_id] = [t for t in proposed[i * k:(i + 1) * k] if t >= 0]
         self._result = out
         return out
 
@@ -461,8 +472,19 @@ class ModelRunner:
         sources = self.last_step.sources([rid for rid, _, _ in scheduled], seq_index, query_start, query_lens,
                                          num_drafts, unverified, input_ids)
         from_device = bool(sources)  # some inputs are only on the device: the host's copy is not the step's
+        chunk_next_ids = capacity = None
+        if self.drafter is not None:
+            chunk_next_ids = np.fromiter(
+                (st.token_ids[end] if not u and end < len(st.token_ids) else PLACEHOLDER
+                 for (_, st, _), end, u in zip(scheduled, seq_lens.tolist(), unverified)),
+                dtype=np.int64, count=num_seqs)
+            capacity = np.fromiter((len(st.block_ids) * bs for _, st, _ in scheduled), dtype=np.int64, count=num_seqs)
+        indices = {}
+        if plan.draft_token_ids or self.drafter is not None:
+            indices = speculative_indices(np.asarray(sampled_rows, dtype=np.int64), logits_indices, logits_rows,
+                                          num_drafts, len(input_ids), query_start, chunk_next_ids, capacity)
         wide = {"input_ids": input_ids, "positions": positions, "slots": slots, "logits_indices": logits_indices,
-                **sources}
+                **sources, **indices}
         state_slots = np.fromiter((st.state_slot for _, st, _ in scheduled), dtype=np.int64, count=num_seqs)
         narrow = {"tables": tables, "seq_lens": seq_lens, "query_start": query_start,
                   "state_slots": state_slots, "has_state": starts > 0}
@@ -486,17 +508,14 @@ class ModelRunner:
                                         bool(starts.min() > 0 and (query_lens == 1 + num_drafts).all()))
         batch = BatchInputs(dev["input_ids"], layout, dev["logits_indices"], [scheduled[i][0] for i in sampled_rows],
                             logits_rows, host=None if from_device else HostRows(input_ids, positions, slots, state_slots),
-                            logits_indices_cpu=logits_indices, state_slots_cpu=state_slots)
+                            logits_indices_cpu=logits_indices, state_slots_cpu=state_slots,
+                            index={name: dev[name] for name in indices})
         if self.uses_mrope:
             batch.mrope_positions = torch.from_numpy(mrope_positions(scheduled, positions, seq_index)).to(self.device)
             batch.multimodal = multimodal_batch(self.model, self.encoder_cache, scheduled, starts, query_lens,
                                                 self.device, self.model_config.dtype)
         if self.drafter is not None:
-            batch.chunk_next_ids = np.fromiter(
-                (st.token_ids[end] if not u and end < len(st.token_ids) else PLACEHOLDER
-                 for (_, st, _), end, u in zip(scheduled, seq_lens.tolist(), unverified)),
-                dtype=np.int64, count=num_seqs)
-            batch.capacity = [len(st.block_ids) * bs for _, st, _ in scheduled]
+            batch.capacity = capacity.tolist()
             batch.sampled_seq_index = list(sampled_rows)
         return batch
 
@@ -577,7 +596,7 @@ class ModelRunner:
                                         self._token_bitmask(batch.sampled_request_ids, states))
         for state in states:
             state.token_ids.append(PLACEHOLDER)
-        accepted = self._accepted_per_row(batch.sampled_request_ids, verified)
+        accepted = self._accepted_per_row(batch, verified)
         self.last_step.record(batch.sampled_request_ids, sampled.tokens, accepted)
         drafts = None
         if self.drafter is not None:
@@ -585,15 +604,15 @@ class ModelRunner:
             self.last_step.record_drafts(drafts.token_ids)
         return PendingOutput(self, batch.sampled_request_ids, sampled, verified, drafts)
 
-    def _accepted_per_row(self, request_ids: list[str], verified: "VerifiedDrafts | None") -> torch.Tensor | None:
-        """int64 [len(request_ids)]: the drafts each sampled request had accepted (0 where none were
-        verified); None in a step that verifies nothing."""
+    def _accepted_per_row(self, batch: BatchInputs, verified: "VerifiedDrafts | None") -> torch.Tensor | None:
+        """int64 [sampled requests]: the drafts each had accepted (0 where none were verified);
+        None in a step that verifies nothing."""
         if verified is None or not verified.drafts:
             return None
-        if len(verified.drafts) == len(request_ids):  # every request drafted: the sampler's order is the batch's
+        if len(verified.drafts) == len(batch.sampled_request_ids):  # all drafted: the sampler's order is the batch's
             return verified.num_accepted
-        accepted = torch.zeros(len(request_ids), dtype=torch.int64, device=self.device)
-        accepted[[i for i, rid in enumerate(request_ids) if rid in verified.drafts]] = verified.num_accepted
+        accepted = torch.zeros(len(batch.sampled_request_ids), dtype=torch.int64, device=self.device)
+        accepted[batch.index["spec_positions"]] = verified.num_accepted
         return accepted
 
     def _forward_eagerly(self, batch: BatchInputs) -> EagerOutputs:
@@ -605,25 +624,21 @@ class ModelRunner:
                accepted: torch.Tensor | None) -> DraftOutput:
         """The runner-side drafter over this step (executor/drafters/base.py): its caches filled
         over the step's rows, the next step's drafts of every sampled request. No host sync."""
-        ids, layout = batch.sampled_request_ids, batch.layout
-        query_start = np.cumsum([0] + layout.query_lens_cpu)
+        ids, layout, index = batch.sampled_request_ids, batch.layout, batch.index
         # The token after each row: the next input within the sequence, then what ends the chunk.
         next_ids = torch.roll(batch.input_ids, -1)
-        known = np.flatnonzero(batch.chunk_next_ids != PLACEHOLDER)  # chunks that stop short of the end
-        if known.size:
-            next_ids[torch.from_numpy(query_start[1:][known] - 1).to(self.device)] = \
-                torch.from_numpy(batch.chunk_next_ids[known]).to(self.device)
+        if index["known_rows"].numel():
+            next_ids[index["known_rows"]] = index["known_next"]
         num_accepted = accepted if accepted is not None else \
             torch.zeros(len(ids), dtype=torch.int64, device=self.device)
-        first_rows = batch.logits_indices if batch.logits_rows is None else \
-            batch.logits_indices[[rows.start for rows in batch.logits_rows]]
-        last_rows = first_rows + num_accepted
+        last_rows = index["first_rows"] + num_accepted
         tokens = sampled.tokens if sampled is not None else torch.empty(0, dtype=torch.int64, device=self.device)
         next_ids[last_rows] = tokens
         layer_hidden = getattr(self.model.model, "layer_outputs", {}) if self.drafter.hidden_layers else {}
         inputs = DraftInputs(layout, batch.input_ids, hidden, layer_hidden, next_ids, ids,
                              batch.sampled_seq_index, last_rows, num_accepted, tokens, batch.capacity,
-                             self.forward_context, self.sampled_vocab_size)
+                             self.forward_context, self.sampled_vocab_size, index["sampled_seqs"],
+                             index["sampled_capacity"])
         out = self.drafter.propose(inputs)
         if out.probs is not None:  # kept until the request's next verify step reads them
             self._draft_probs.update(zip(ids, out.probs))
@@ -648,7 +663,7 @@ class ModelRunner:
         drafts accepted; a request without drafts accepts none, so its token is plain greedy's)."""
         ids = batch.sampled_request_ids
         spec = [i for i, rid in enumerate(ids) if rid in drafts]
-        num_accepted = verdict[1] if len(spec) == len(ids) else verdict[1][spec]
+        num_accepted = verdict[1] if len(spec) == len(ids) else verdict[1][batch.index["spec_positions"]]
         rows = self._rows_without_drafts(ids, states, drafts)
         return self._verified(verdict[0], num_accepted, batch, rows, spec, drafts,
                               device_drafts=self._device_drafts(batch, spec, drafts))
@@ -664,11 +679,11 @@ class ModelRunner:
         plain_sampled = None
         if plain:
             tokens = torch.empty(len(ids), dtype=torch.int64, device=logits.device)
-            plain_logits = logits[[batch.logits_rows[i].start for i in plain]]
+            plain_logits = logits[batch.index["plain_logit_rows"]]
             plain_sampled = sample_tokens(plain_logits, [rows[i] for i in plain],
                                           self._token_bitmask([ids[i] for i in plain], [states[i] for i in plain]))
-            tokens[plain] = plain_sampled.tokens
-            spec_logits = logits[[r for i in spec for r in batch.logits_rows[i]]]
+            tokens[batch.index["plain_positions"]] = plain_sampled.tokens
+            spec_logits = logits[batch.index["spec_logit_rows"]]
         else:  # every request drafted (batch 1's verify step): the logits rows are spec's, in order
             spec_logits = logits
         draft_raw = self._draft_raw_logprobs(spec_logits, spec, rows, [len(drafts[ids[i]]) for i in spec])
@@ -684,7 +699,7 @@ class ModelRunner:
             num_accepted, spec_tokens = verify_drafts_greedy(spec_logits, [drafts[ids[i]] for i in spec],
                                                              device_drafts)
         if plain:
-            tokens[spec] = spec_tokens
+            tokens[batch.index["spec_positions"]] = spec_tokens
         else:
             tokens = spec_tokens
         sampled, verified = self._verified(tokens, num_accepted, batch, rows, spec, drafts, plain_sampled, plain,
@@ -738,14 +753,8 @@ class ModelRunner:
         ids = batch.sampled_request_ids
         if not any(PLACEHOLDER in drafts[ids[i]] for i in spec):
             return None
-        width = max(len(drafts[ids[i]]) for i in spec)
-        num_rows = batch.input_ids.shape[0]
-        index = np.full((len(spec), width), num_rows, dtype=np.int64)  # the row after the last: -1
-        for r, i in enumerate(spec):
-            first = batch.logits_rows[i].start + 1  # a request's first sampled row is its last known token
-            index[r, :len(drafts[ids[i]])] = batch.logits_indices_cpu[first:first + len(drafts[ids[i]])]
-        padded = torch.cat([batch.input_ids, batch.input_ids.new_full((1,), -1)])
-        return padded[torch.from_numpy(index).to(batch.input_ids.device, non_blocking=True)]
+        padded = torch.cat([batch.input_ids, batch.input_ids.new_full((1,), -1)])  # draft_index's past-the-end: -1
+        return padded[batch.index["draft_index"]]
 
     def _token_bitmask(self, request_ids: list[str], states: list[RunnerRequest]):
         """The constrained rows' token bitmask on the device, or None. Filled on the host while

@@ -64,6 +64,10 @@ class DraftInputs:
     capacity_cpu: list[int]  # per sequence: the tokens its block table holds (KV room)
     forward_context: Callable[[BatchLayout], ForwardContext]  # the runner's, for the drafter's own passes
     sampled_vocab_size: int | None = None  # ids at or past it are never proposed (a padded vocabulary)
+    # seq_index_cpu and, per sampled request, its sequence's KV room, on the device (int64): no
+    # host list indexes a device tensor in a step (a blocking copy; executor/step_indices.py).
+    seq_index: torch.Tensor | None = None
+    capacity: torch.Tensor | None = None
 
 
 @dataclass

@@ -108,7 +108,7 @@ class DFlashDrafter(RunnerDrafter):
         n = self.config.block_size
         starts = layout.positions[inputs.last_rows] + 1  # each block's first position = its context length
         positions = (starts[:, None] + torch.arange(n, device=device)).reshape(-1)
-        tables = layout.block_tables[torch.tensor(inputs.seq_index_cpu, device=device)]
+        tables = layout.block_tables[inputs.seq_index]
         bounds = [layout.seq_len_bounds[s] for s in inputs.seq_index_cpu]  # the step's rows, accepted or not
         blocks = DraftBlocks(positions, tables, starts, bounds, n)
         drafts = self.model.draft(inputs.sampled_tokens, blocks, self.embed_tokens, self.lm_head, self.k,

@@ -75,11 +75,10 @@ class MTPDrafter(RunnerDrafter):
         blocks (or the context) end. Its rows' positions stay on the device (no host sync): the
         host lays the passes out with upper bounds of their lengths."""
         layout, device, bs = inputs.layout, hidden.device, self.block_size
-        seqs = torch.tensor(inputs.seq_index_cpu, device=device)
+        seqs = inputs.seq_index
         tables = layout.block_tables[seqs]
         last = layout.positions[inputs.last_rows]
-        room = torch.tensor([min(inputs.capacity_cpu[s], self.max_model_len) for s in inputs.seq_index_cpu],
-                            device=device)
+        room = inputs.capacity.clamp(max=self.max_model_len)
         bounds = [layout.seq_len_bounds[s] for s in inputs.seq_index_cpu]  # >= each last row's position + 1
         n = len(bounds)
         query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
