@@ -97,26 +97,31 @@ def _cuda_available() -> bool:
 
 
 class StepTimer:
-    """Seconds of one engine step: CUDA events on the GPU (the step reads its tokens back, so
-    the end event follows its last kernel), the host clock on the CPU."""
+    """Seconds of engine steps: CUDA events on the GPU (a step reads its tokens back, so the end
+    event follows its last kernel), the host clock on the CPU."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
 
-    def time(self, step) -> float:
+    def time(self, step, count: int = 1) -> float:
+        """Seconds per step over `count` steps in a row. With asynchronous scheduling a step
+        launches the next one before reading its own result, so only a run of steps says what
+        each costs with the host's planning hidden behind the device's work."""
         if not self.cuda:
             start = time.perf_counter()
-            step()
-            return time.perf_counter() - start
+            for _ in range(count):
+                step()
+            return (time.perf_counter() - start) / count
         import torch
 
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step()
+        for _ in range(count):
+            step()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return start.elapsed_time(end) / 1e3 / count
 
 
 def measure(engine, spec, batch_sizes: list[int], draft_counts: list[int], context_len: int, warmup: int,
@@ -157,18 +162,7 @@ def measure(engine, spec, batch_sizes: list[int], draft_counts: list[int], conte
             verify_row, draft_row = [], []
             for k in draft_counts:
                 scheduler.drafter = ForcedDrafter(k, lookahead)
-                times = []
-                for rep in range(warmup + repetitions):
-                    before = scheduler.spec_stats.copy()
-                    seconds = timer.time(engine.step)
-                    drafts = scheduler.spec_stats.num_drafts - before.num_drafts
-                    tokens = scheduler.spec_stats.num_draft_tokens - before.num_draft_tokens
-                    if (drafts, tokens) != ((batch, batch * k) if k else (0, 0)):
-                        raise RuntimeError(f"spec-cost-table: a step of batch {batch}, k {k} verified {drafts} "
-                                           f"drafts of {tokens} tokens, not {batch} of {batch * k}")
-                    if rep >= warmup:
-                        times.append(seconds)
-                verify_row.append(statistics.median(times))
+                verify_row.append(_step_seconds(engine, timer, batch, k, warmup, repetitions))
                 if k and not in_runner:
                     ngram = NgramDrafter(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
                     draft_row.append(_ngram_draft_seconds(ngram, requests, repetitions))
@@ -183,6 +177,31 @@ def measure(engine, spec, batch_sizes: list[int], draft_counts: list[int], conte
     finally:
         scheduler.drafter = configured
     return verify_s, draft_s
+
+
+def _step_seconds(engine, timer: StepTimer, batch: int, k: int, warmup: int, repetitions: int) -> float:
+    """A step of `batch` requests with k drafts each: the median of single steps, or under
+    asynchronous scheduling the mean of a run of `repetitions` steps (each overlaps the next's
+    planning). Every step is checked to have verified exactly those drafts (asynchronously, the
+    run's results: each read one step later, after warm-up steps of the same k)."""
+    stats = engine.scheduler.spec_stats
+
+    def checked(steps: int, run):
+        before = stats.copy()
+        seconds = run()
+        drafts, tokens = stats.num_drafts - before.num_drafts, stats.num_draft_tokens - before.num_draft_tokens
+        want = (steps * batch, steps * batch * k) if k else (0, 0)
+        if (drafts, tokens) != want:
+            raise RuntimeError(f"spec-cost-table: {steps} step(s) of batch {batch}, k {k} verified {drafts} drafts of "
+                               f"{tokens} tokens, not {want[0]} of {want[1]}")
+        return seconds
+
+    if engine.async_scheduling:
+        for _ in range(warmup):
+            engine.step()
+        return checked(repetitions, lambda: timer.time(engine.step, repetitions))
+    times = [checked(1, lambda: timer.time(engine.step)) for _ in range(warmup + repetitions)]
+    return statistics.median(times[warmup:])
 
 
 def _ngram_draft_seconds(drafter, requests, repetitions: int) -> float:
@@ -220,8 +239,9 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
                                   getattr(engine.runner, "drafter", None))
         print(f"spec-cost table: {identity['target']['architecture']} on {identity['device']}, drafter "
               f"{identity['drafter']['method']} {identity['drafter']['sha256'][:12]}, batch sizes {batch_sizes}, "
-              f"k {draft_counts}, {args.context_len} prompt tokens, median of {args.repetitions} after "
-              f"{args.warmup} warm-up steps")
+              f"k {draft_counts}, {args.context_len} prompt tokens, "
+              f"{'the mean of a run' if engine.async_scheduling else 'the median'} of {args.repetitions} steps "
+              f"after {args.warmup} warm-up steps")
         verify_s, draft_s = measure(engine, spec, batch_sizes, draft_counts, args.context_len, args.warmup,
                                     args.repetitions)
     finally:

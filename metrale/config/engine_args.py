@@ -293,6 +293,11 @@ class EngineArgs:
     def kv_cache_skip_layers(self) -> frozenset[int]:
         return kv_skip_layers(self.kv_cache_dtype_skip_layers)
 
+    def schedules_asynchronously(self, device_type: str) -> bool:
+        """--async-scheduling as asked, or by default: on with CUDA (engine.py refuses it where a
+        drafter proposes on the host from the step before)."""
+        return self.async_scheduling if self.async_scheduling is not None else device_type == "cuda"
+
     def step_token_budget(self, device_type: str) -> int:
         """`max_num_batched_tokens` on this device. On the CPU a step's matmuls are compute-bound
         from a few hundred rows on, so a larger step gains no throughput (the demo model and a

@@ -8,6 +8,8 @@ asked for.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 from metrale.config.dflash_config import DFlashConfig
@@ -125,3 +127,10 @@ def _one_of(value: dict, key: str, given, flag: str):
     if key in value and given is not None and value[key] != given:
         raise ValueError(f"{flag} {given!r} and speculative_config's {key} {value[key]!r} disagree; give one")
     return value.get(key, given)
+
+
+def ngram_sha256(prompt_lookup_min: int, prompt_lookup_max: int) -> str:
+    """The n-gram drafter's identity (it has no weights): the sha256 of its settings' canonical
+    JSON, as the spec-cost table keys drafters (engine/spec_cost_identity.py)."""
+    settings = {"method": "ngram", "prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()

@@ -178,7 +178,7 @@ class LLMEngine:
                 logger.warning("this executor cannot launch a step before reading the previous one; "
                                "steps run synchronously")
             return False
-        return asked if asked is not None else self.device.type == "cuda"
+        return self.args.schedules_asynchronously(self.device.type)
 
     # -- requests ------------------------------------------------------------------------------
 

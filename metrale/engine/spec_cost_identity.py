@@ -22,6 +22,8 @@ import json
 import os
 import subprocess
 
+from metrale.config.speculative_config import ngram_sha256
+
 # Fields of a transformers config that name where or by what it was written, not the model.
 _BOOKKEEPING = ("transformers_version", "_name_or_path", "_commit_hash", "_attn_implementation_autoset")
 
@@ -30,9 +32,6 @@ def canonical_sha256(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def ngram_sha256(prompt_lookup_min: int, prompt_lookup_max: int) -> str:
-    return canonical_sha256({"method": "ngram", "prompt_lookup_min": prompt_lookup_min,
-                             "prompt_lookup_max": prompt_lookup_max})
 
 
 def drafter_identity(spec, model, runner_drafter=None) -> dict:

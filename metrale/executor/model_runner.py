@@ -113,6 +113,7 @@ class BatchInputs:
     state_slots_cpu: np.ndarray | None = None  # int64 [num_seqs], on the host
     # Speculative steps and runner-side drafters: executor/step_indices.py's arrays, on the device.
     index: dict[str, torch.Tensor] = field(default_factory=dict)
+    request_ids: list[str] | None = None  # every sequence's request, in the layout's order
     # `uses_mrope` models: int64 [3, T] positions (executor/multimodal_step.py); and the step's
     # placeholder rows with their encoder outputs, None without any.
     mrope_positions: torch.Tensor | None = None
@@ -302,7 +303,8 @@ class ModelRunner:
         no quantized activations), with no runner-side drafter reading the step."""
         from metrale.layers.moe.layer import FusedMoE
 
-        return (self.supports_cuda_graphs and self.drafter is None and self.model_config.quantization is None
+        return (self.supports_cuda_graphs and (self.drafter is None or not self.drafter.reads_hidden_states)
+                and self.model_config.quantization is None
                 and all(getattr(b, "supports_prefill_graphs", False) for b in self.backends.values())
                 and not any(isinstance(m, FusedMoE) for m in self.model.modules()))
 
@@ -374,6 +376,8 @@ class ModelRunner:
         self.draft_rows = (num_state_slots, max_num_seqs if self.max_drafts else 0)  # (first row, sequences)
         slots = num_state_slots + self.draft_rows[1] * self.max_drafts + 1 if has_state else 0
         self.caches = CacheTensors(self.layers, self.layout, num_blocks, slots, self.device)
+        if self.drafter is not None:
+            self.drafter.allocate(max_num_seqs or num_state_slots, self.device)
 
     def release_caches(self) -> None:
         if self.caches is not None:
@@ -396,10 +400,14 @@ class ModelRunner:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
             self._draft_probs.pop(request_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(request_id)
             if self.matchers is not None:
                 self.matchers.remove(request_id)  # finished, aborted or preempted: a resumed one starts afresh
         for new in plan.new_requests:
             self.requests[new.request_id] = RunnerRequest.of(new)  # the scheduler built its lists for this plan alone
+            if self.drafter is not None:
+                self.drafter.admit(new.request_id, new.token_ids)
             if new.sampling_params.structured_outputs is not None:
                 if self.matchers is None:
                     raise RuntimeError("a request with structured outputs reached a runner without grammars")
@@ -509,7 +517,7 @@ class ModelRunner:
         batch = BatchInputs(dev["input_ids"], layout, dev["logits_indices"], [scheduled[i][0] for i in sampled_rows],
                             logits_rows, host=None if from_device else HostRows(input_ids, positions, slots, state_slots),
                             logits_indices_cpu=logits_indices, state_slots_cpu=state_slots,
-                            index={name: dev[name] for name in indices})
+                            index={name: dev[name] for name in indices}, request_ids=[rid for rid, _, _ in scheduled])
         if self.uses_mrope:
             batch.mrope_positions = torch.from_numpy(mrope_positions(scheduled, positions, seq_index)).to(self.device)
             batch.multimodal = multimodal_batch(self.model, self.encoder_cache, scheduled, starts, query_lens,
@@ -638,7 +646,7 @@ class ModelRunner:
         inputs = DraftInputs(layout, batch.input_ids, hidden, layer_hidden, next_ids, ids,
                              batch.sampled_seq_index, last_rows, num_accepted, tokens, batch.capacity,
                              self.forward_context, self.sampled_vocab_size, index["sampled_seqs"],
-                             index["sampled_capacity"])
+                             index["sampled_capacity"], batch.request_ids)
         out = self.drafter.propose(inputs)
         if out.probs is not None:  # kept until the request's next verify step reads them
             self._draft_probs.update(zip(ids, out.probs))

@@ -135,7 +135,8 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
         backend = "torch"
     elif forward == "eager" and device.type == "cpu" and backend == "auto":  # the interpreter (checks)
         backend = "kernels"  # Triton for every kind that has it
-    drafter = build_drafter(args.speculative_decoding, model, config.max_model_len, args.block_size)
+    drafter = build_drafter(args.speculative_decoding, model, config.max_model_len, args.block_size,
+                            args.schedules_asynchronously(device.type))
     runner = ModelRunner(model, config, device, CacheConfig.from_args(args, config.dtype), backend, forward=forward,
                          drafter=drafter)
     runner.sampled_vocab_size = sampled_vocab_size(config, tokenizer)

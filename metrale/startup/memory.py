@@ -13,7 +13,7 @@ from metrale.config.engine_args import EngineArgs
 from metrale.config.model_config import ModelConfig
 from metrale.distributed.launch import ParallelRuntime
 from metrale.executor.cache_layout import CacheLayout
-from metrale.executor.drafters import drafter_cached_layers, drafter_weight_bytes
+from metrale.executor.drafters import drafter_buffer_bytes, drafter_cached_layers, drafter_weight_bytes
 from metrale.executor.memory_plan import (CPU_DEFAULT_KV_BYTES, CUDA_RUNTIME_OVERHEAD_BYTES, MemoryPlan,
                                           MemoryPlanError, estimate_activation_bytes, estimate_encoder_bytes,
                                           finish_plan, fit_kv_blocks, parameter_bytes)
@@ -51,7 +51,10 @@ def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
     activation = estimate_activation_bytes(config.hf_config, config.dtype, args.step_token_budget(device.type),
                                            1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs),
                                            config.vocab_size)
-    weights = parameter_bytes(meta_model) + drafter_weight_bytes(args.speculative_decoding, meta_model)
+    max_seqs = 1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs)
+    weights = (parameter_bytes(meta_model) + drafter_weight_bytes(args.speculative_decoding, meta_model)
+               + drafter_buffer_bytes(args.speculative_decoding, args.schedules_asynchronously(device.type),
+                                      max_seqs, config.max_model_len))
     encoder, encoder_summary = encoder_reserve(args, config, meta_model, device)
     if device.type == "cuda" or device_total is not None:
         total = device_total if device_total is not None else torch.cuda.mem_get_info(device)[1]

@@ -137,3 +137,21 @@ def test_bench_and_benchmark_name_one_command():
     a = parser.parse_args(["benchmark", "spec-cost-table", "-o", "t.json", "--batch-sizes", "4,1,2"])
     b = parser.parse_args(["bench", "spec-cost-table", "-o", "t.json"])
     assert a.handler is b.handler and a.batch_sizes == [1, 2, 4] and b.draft_counts == list(range(9))
+
+
+def test_under_asynchronous_scheduling_steps_are_timed_in_runs(tmp_path):
+    """With asynchronous scheduling the n-gram drafter runs in the runner and a step overlaps the
+    next one's planning: the benchmark times runs of steps, checks each run verified its drafts,
+    and records the scheduling with the table (its drafting inside the steps: draft_s 0)."""
+    from checkpoints import make_checkpoint
+
+    path = make_checkpoint(str(tmp_path / "llama"), "llama")
+    out = str(tmp_path / "table.json")
+    status = main(["benchmark", "spec-cost-table", "--model", path, "--device", "cpu", "--dtype", "float32",
+                   "--async-scheduling", "--speculative-config", json.dumps(SPEC), "--batch-sizes", "1,2",
+                   "--draft-counts", "1,2", "--context-len", "8", "--warmup", "2", "--repetitions", "3", "-o", out])
+    assert status == 0
+    table = CostTable.load(out)
+    assert all(t > 0 for row in table.verify_s for t in row)
+    assert all(t == 0 for row in table.draft_s for t in row)
+    assert table.recorded["async_scheduling"] is True and table.recorded["drafter_in_runner"] is True

@@ -201,11 +201,58 @@ def test_tensor_parallel_two_ranks(dense):
         llm.close()
 
 
-def test_ngram_drafts_keep_scheduling_synchronous(dense, caplog):
-    """Prompt lookup proposes from the tokens of the step before, on the host: it cannot be
-    planned over a step in flight, and the engine says so when asked."""
-    _, path, _, _ = dense("qwen3")
-    llm = LLM(path, dtype="float32", device="cpu", async_scheduling=True,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    assert not llm.llm_engine.async_scheduling
-    assert "runs its steps synchronously" in caplog.text
+@pytest.fixture(scope="module")
+def ngram_case(tmp_path_factory):
+    """A Llama checkpoint, prompts two of which prompt lookup drafts well, transformers' tokens."""
+    from checkpoints import load_reference, reference_greedy
+    from speculative_cases import NEW_TOKENS, make_prompts
+
+    path = make_checkpoint(str(tmp_path_factory.mktemp("async_ngram")), "llama")
+    model = load_reference(path)
+    return path, [reference_greedy(model, p, NEW_TOKENS) for p in make_prompts()]
+
+
+def ngram_engine(path: str, asynchronous: bool, **kwargs) -> LLM:
+    from speculative_cases import SPEC
+
+    return LLM(path, dtype="float32", device="cpu", speculative_config=SPEC, async_scheduling=asynchronous, **kwargs)
+
+
+def ngram_greedy(llm: LLM) -> list[list[int]]:
+    from speculative_cases import GREEDY, make_prompts
+
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in make_prompts()], GREEDY,
+                                                          use_tqdm=False)]
+
+
+def test_ngram_drafts_in_the_runner_under_asynchronous_scheduling(ngram_case):
+    """Prompt lookup moves into the runner (executor/drafters/ngram.py): the host's drafts for the
+    same tokens, so the same acceptance as the synchronous engine's, and the same tokens."""
+    from metrale.executor.drafters.ngram import NgramRunnerDrafter
+
+    path, expected = ngram_case
+    synchronous = ngram_engine(path, False)
+    assert synchronous.llm_engine.runner.drafter is None  # the scheduler's own
+    assert ngram_greedy(synchronous) == expected
+    llm = ngram_engine(path, True, max_num_seqs=4)  # 4 history rows, given back as requests end
+    assert isinstance(llm.llm_engine.runner.drafter, NgramRunnerDrafter) and llm.llm_engine.async_scheduling
+    overlapped = count_overlapped_plans(llm)
+    assert ngram_greedy(llm) == expected
+    assert overlapped[0] > 0
+    ours, theirs = llm.llm_engine.scheduler.spec_stats, synchronous.llm_engine.scheduler.spec_stats
+    assert ours.num_accepted_tokens == theirs.num_accepted_tokens > 0
+    assert ngram_greedy(llm) == expected
+    assert_drafted_and_idle(llm)
+
+
+def test_ngram_in_the_runner_chunked_preempted_and_prefix_hits(ngram_case):
+    path, expected = ngram_case
+    llm = ngram_engine(path, True, max_num_batched_tokens=16, num_kv_blocks=40, block_size=4)
+    assert ngram_greedy(llm) == expected
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    llm = ngram_engine(path, True, block_size=4)
+    assert ngram_greedy(llm) == expected
+    assert ngram_greedy(llm) == expected  # the prompts' blocks cached: the drafter's history from the hit on
+    assert llm.llm_engine.scheduler.kv.prefix_hits_total > 0
+    assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert_drafted_and_idle(llm)

@@ -10,16 +10,24 @@ from metrale.config.speculative_config import MTP_METHODS, SpeculativeConfig
 from metrale.executor.drafters.base import RunnerDrafter
 
 
-def runs_in_runner(spec: SpeculativeConfig | None) -> bool:
-    return spec is not None and (spec.method in MTP_METHODS or spec.method == "dflash")
+def runs_in_runner(spec: SpeculativeConfig | None, asynchronous: bool = False) -> bool:
+    """MTP and DFlash draft in the runner always; n-gram there under asynchronous scheduling
+    (drafters/ngram.py), on the scheduler's side otherwise."""
+    return spec is not None and (spec.method in MTP_METHODS or spec.method == "dflash"
+                                 or (spec.method == "ngram" and asynchronous))
 
 
 def build_drafter(spec: SpeculativeConfig | None, model: torch.nn.Module, max_model_len: int,
-                  block_size: int) -> RunnerDrafter | None:
-    """The runner-side drafter `spec` asks for, over the loaded `model`; None for none or n-gram
-    (the scheduler's)."""
-    if not runs_in_runner(spec):
+                  block_size: int, asynchronous: bool = False) -> RunnerDrafter | None:
+    """The runner-side drafter `spec` asks for, over the loaded `model`; None for none or the
+    scheduler's n-gram drafter. `asynchronous`: the engine will schedule asynchronously."""
+    if not runs_in_runner(spec, asynchronous):
         return None
+    if spec.method == "ngram":
+        from metrale.executor.drafters.ngram import NgramRunnerDrafter
+
+        return NgramRunnerDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                  max_model_len)
     if spec.method == "dflash":
         from metrale.executor.drafters.dflash import DFlashDrafter
 
@@ -32,7 +40,7 @@ def build_drafter(spec: SpeculativeConfig | None, model: torch.nn.Module, max_mo
 def drafter_cached_layers(spec: SpeculativeConfig | None, model: torch.nn.Module) -> list:
     """The stateful modules the drafter `spec` asks for will own, from a (meta-device) build of
     the model: the memory plan counts their caches before the weights load."""
-    if not runs_in_runner(spec):
+    if not runs_in_runner(spec) or spec.method == "ngram":
         return []
     if spec.method == "dflash":
         from metrale.executor.drafters.dflash import dflash_cached_layers
@@ -50,6 +58,16 @@ def drafter_cached_layers(spec: SpeculativeConfig | None, model: torch.nn.Module
                           "(num_nextn_predict_layers / mtp_num_hidden_layers 0, or the layers stripped); "
                           "method 'ngram' drafts by prompt lookup")
     return model.mtp[0].cached_layers()
+
+
+def drafter_buffer_bytes(spec: SpeculativeConfig | None, asynchronous: bool, max_num_seqs: int,
+                         max_model_len: int) -> int:
+    """The device bytes of a runner-side drafter's own buffers: the n-gram drafter's token history."""
+    if not runs_in_runner(spec, asynchronous) or spec.method != "ngram":
+        return 0
+    from metrale.executor.drafters.ngram import history_bytes
+
+    return history_bytes(max_num_seqs, max_model_len)
 
 
 def drafter_weight_bytes(spec: SpeculativeConfig | None, model: torch.nn.Module) -> int:

@@ -68,6 +68,7 @@ class DraftInputs:
     # host list indexes a device tensor in a step (a blocking copy; executor/step_indices.py).
     seq_index: torch.Tensor | None = None
     capacity: torch.Tensor | None = None
+    seq_request_ids: list[str] | None = None  # every sequence's request, in the layout's order
 
 
 @dataclass
@@ -86,10 +87,20 @@ class RunnerDrafter:
     sha256: str | None  # of its weights
     hidden_layers: tuple[int, ...] = ()  # trunk layers whose outputs it reads (DraftInputs.layer_hidden)
     lookahead_tokens: int = 0  # KV slots past a step's last computed position it writes
+    reads_hidden_states = True  # False: token ids and positions alone (a prefill graph's step will do)
 
     def cached_layers(self) -> list[CachedLayer]:
         """Its stateful modules, in order; the runner allocates and binds their caches."""
         raise NotImplementedError
+
+    def allocate(self, max_num_seqs: int, device: torch.device) -> None:
+        """Buffers of its own beside the caches, once their sizes are known (the runner's allocate_caches)."""
+
+    def admit(self, request_id: str, token_ids: list[int]) -> None:
+        """A request the runner has not seen, or one resumed after preemption, with its tokens so far."""
+
+    def forget(self, request_id: str) -> None:
+        """A request finished, aborted or preempted."""
 
     def propose(self, inputs: DraftInputs) -> DraftOutput:
         """The next step's drafts of every sampled request, after filling its own caches over the
