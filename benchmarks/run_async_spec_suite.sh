@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Speculative decoding under asynchronous scheduling on the GPU, in one or two device calls:
+#     OUT=/tmp/out bash benchmarks/run_async_spec_suite.sh tests,table latency
+# tests:   the GPU tests of the drafts-on-device path (n-gram kernel at a real size, MTP planned over
+#          drafts in flight, verify graphs from the device) and the speculative tests beside them;
+# table:   `met benchmark spec-cost-table` on the Qwen3-8B config at batch 1, k = 0..4, n-gram drafts,
+#          asynchronous (the drafter in the runner, runs of steps) and synchronous (the host's drafter);
+# latency: batch-1 `met bench latency` on the demo model and the Qwen3-8B config: plain, n-gram and
+#          MTP drafts (the demo's trained layer; the Qwen3-8B config's dummy one), each asynchronous
+#          and synchronous.
+# Carried beside the tree: .whl/ with transformers 5.24 and msgpack (the tests write Qwen3-Next
+# checkpoints). Logs and JSON are packed into $OUT/results.tgz (the device tool returns 8 files at most).
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/met-async-spec}"
+mkdir -p "$OUT"
+W=$(mktemp -d)
+trap 'tar -czf "$OUT/results.tgz" -C "$W" .' EXIT
+echo "${MET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" > "$W/commit.txt"
+python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))' | tee "$W/device.txt"
+MET="python3 -m metrale.entrypoints.cli"
+Q8=metrale/model_configs/Qwen3-8B
+NG='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+for part in $(echo "$@" | tr ',' ' '); do
+  case $part in
+    tests)
+      timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rs -p no:cacheprovider tests/kernels/test_ngram_match.py \
+        tests/gpu/test_gpu_mtp.py tests/gpu/test_gpu_speculative.py tests/gpu/test_gpu_spec_cost_table.py \
+        > "$W/gpu_tests.log" 2>&1
+      grep -E "FAILED|ERROR|passed|failed" "$W/gpu_tests.log" | tail -15 ;;
+    table)
+      for mode in async sync; do
+        flag=--async-scheduling; [ $mode = sync ] && flag=--no-async-scheduling
+        timeout 150 $MET benchmark spec-cost-table --model $Q8 --load-format dummy $flag \
+          --speculative-config "$NG" --batch-sizes 1 --draft-counts 0,1,2,3,4 --context-len 512 \
+          --warmup 3 --repetitions 9 -o "$W/spec_cost_qwen3_8b_$mode.json" > "$W/spec_cost_$mode.log" 2>&1
+        echo "== table $mode"; grep -E "batch +1 +k" "$W/spec_cost_$mode.log"
+      done ;;
+    latency)
+      for model in ${LATENCY_MODELS:-demo Qwen3-8B}; do
+        extra=(); mtp=(); [ $model = Qwen3-8B ] && extra=(--load-format dummy) \
+          && mtp=(--hf-overrides '{"num_nextn_predict_layers": 1}')
+        common=(--model $model "${extra[@]}" --batch-size 1 --input-len 512 --output-len 128 --max-model-len 2048
+                --max-num-seqs 8 --num-iters 5)
+        for run in plain ngram ngram_sync mtp mtp_sync; do
+          case $run in
+            plain) args=() ;;
+            ngram) args=(--speculative-config "$NG") ;;
+            ngram_sync) args=(--speculative-config "$NG" --no-async-scheduling) ;;
+            mtp) args=("${mtp[@]}" --speculative-config '{"method": "mtp"}') ;;
+            mtp_sync) args=("${mtp[@]}" --speculative-config '{"method": "mtp"}' --no-async-scheduling) ;;
+          esac
+          timeout 100 $MET bench latency "${common[@]}" "${args[@]}" --output-json "$W/latency_${model}_$run.json" \
+            > "$W/latency_${model}_$run.log" 2>&1
+          echo "== $model $run: $(grep -E 'decode per token  ' "$W/latency_${model}_$run.log" | head -1)"
+          grep -E "acceptance" "$W/latency_${model}_$run.log" | head -1
+        done
+      done ;;
+  esac
+done
