@@ -30,7 +30,7 @@ for part in $(echo "$@" | tr ',' ' '); do
         > "$W/gpu_tests.log" 2>&1
       grep -E "FAILED|ERROR|passed|failed" "$W/gpu_tests.log" | tail -15 ;;
     table)
-      for mode in async sync; do
+      for mode in ${TABLE_MODES:-async sync}; do
         flag=--async-scheduling; [ $mode = sync ] && flag=--no-async-scheduling
         timeout 150 $MET benchmark spec-cost-table --model $Q8 --load-format dummy $flag \
           --speculative-config "$NG" --batch-sizes 1 --draft-counts 0,1,2,3,4 --context-len 512 \

@@ -26,7 +26,8 @@ _END_BITS = 40  # a score is match_length << _END_BITS | end
 
 @triton.jit
 def _ngram_kernel(history_ptr, stride_h, rows_ptr, lengths_ptr, out_ptr, MIN_N: tl.constexpr,
-                  MAX_N: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+                  MAX_N: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                  END_BITS: tl.constexpr):
     pid = tl.program_id(0)
     base = history_ptr + tl.load(rows_ptr + pid).to(tl.int64) * stride_h
     length = tl.load(lengths_ptr + pid).to(tl.int64)
@@ -41,10 +42,10 @@ def _ngram_kernel(history_ptr, stride_h, rows_ptr, lengths_ptr, out_ptr, MIN_N: 
             candidate = tl.load(base + ends - i, mask=running & (ends - i >= 0), other=-2)
             running = running & (ends - i >= 0) & (candidate == pattern)
             matched += running.to(tl.int64)
-        score = tl.where(matched >= MIN_N, (matched << _END_BITS) | ends, -1)
+        score = tl.where(matched >= MIN_N, (matched << END_BITS) | ends, -1)
         best = tl.maximum(best, tl.max(score, axis=0))
     # No match: the draft would start past the history (every position masked).
-    end = tl.where(best >= 0, best & ((1 << _END_BITS) - 1), length)
+    end = tl.where(best >= 0, best & ((1 << END_BITS) - 1), length)
     offsets = tl.arange(0, K_PAD)
     positions = end + 1 + offsets
     keep = (positions < length) & (offsets < K)
@@ -59,7 +60,7 @@ def ngram_drafts_triton(history: torch.Tensor, rows: torch.Tensor, lengths: torc
     out = torch.empty(rows.shape[0], k, dtype=torch.int64, device=history.device)
     if rows.shape[0]:
         _ngram_kernel[(rows.shape[0],)](history, history.stride(0), rows, lengths, out, MIN_N=min_n, MAX_N=max_n,
-                                        K=k, K_PAD=triton.next_power_of_2(k), BLOCK=block)
+                                        K=k, K_PAD=triton.next_power_of_2(k), BLOCK=block, END_BITS=_END_BITS)
     return out
 
 
