@@ -43,7 +43,7 @@ for part in $(echo "$@" | tr ',' ' '); do
           && mtp=(--hf-overrides '{"num_nextn_predict_layers": 1}')
         common=(--model $model "${extra[@]}" --batch-size 1 --input-len 512 --output-len 128 --max-model-len 2048
                 --max-num-seqs 8 --num-iters 5)
-        for run in plain ngram ngram_sync mtp mtp_sync; do
+        for run in ${LATENCY_RUNS:-plain ngram ngram_sync mtp mtp_sync}; do
           case $run in
             plain) args=() ;;
             ngram) args=(--speculative-config "$NG") ;;

@@ -66,7 +66,7 @@ def warm_up_steps(runner, max_num_seqs: int, max_num_tokens: int = 0) -> list[tu
         try:
             forward_whole(runner, prefill_plan(runner, [[1] * length], "__warmup"))
         finally:
-            runner.requests.clear()
+            runner.drop_requests()
 
     def sample(rows):
         # in the LM head's dtype, as the engine hands them over (a kernel variant per dtype)
@@ -143,4 +143,4 @@ def _decode_once(runner, vocab: int, context: int) -> None:
     try:
         forward_whole(runner, decode)
     finally:
-        runner.requests.clear()
+        runner.drop_requests()

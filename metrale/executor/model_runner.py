@@ -398,12 +398,7 @@ class ModelRunner:
 
     def apply_plan(self, plan: SchedulerOutput) -> None:
         for request_id in plan.finished_request_ids:
-            self.requests.pop(request_id, None)
-            self._draft_probs.pop(request_id, None)
-            if self.drafter is not None:
-                self.drafter.forget(request_id)
-            if self.matchers is not None:
-                self.matchers.remove(request_id)  # finished, aborted or preempted: a resumed one starts afresh
+            self._drop(request_id)
         for new in plan.new_requests:
             self.requests[new.request_id] = RunnerRequest.of(new)  # the scheduler built its lists for this plan alone
             if self.drafter is not None:
@@ -422,6 +417,20 @@ class ModelRunner:
         if len(self.encoder_cache):
             self.encoder_cache.evict({item.content_hash for st in self.requests.values() for item in (st.media or ())
                                       if st.num_computed_tokens < item.offset + item.length})
+
+    def _drop(self, request_id: str) -> None:
+        """Forget a request: finished, aborted or preempted (a resumed one starts afresh)."""
+        self.requests.pop(request_id, None)
+        self._draft_probs.pop(request_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(request_id)
+        if self.matchers is not None:
+            self.matchers.remove(request_id)
+
+    def drop_requests(self) -> None:
+        """Forget every request (after startup's profiling, calibration and warm-up steps)."""
+        for request_id in list(self.requests):
+            self._drop(request_id)
 
     def _upload(self, arrays: dict[str, np.ndarray], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """A step's index arrays of one dtype in ONE host->device copy: packed into one buffer

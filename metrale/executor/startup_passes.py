@@ -53,7 +53,7 @@ def profile_activation_bytes(runner: ModelRunner, num_tokens: int, num_sampled: 
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     del hidden, logits
-    runner.requests.clear()
+    runner.drop_requests()
     runner.release_caches()
     return peak
 
@@ -71,7 +71,7 @@ def calibrate_kv_scales(runner: ModelRunner, token_ids: list[int], headroom: flo
         layer.observed_amax = [0.0, 0.0]
     for start in range(0, len(token_ids), max_model_len):  # one sequence at a time, from block 0
         forward_whole(runner, prefill_plan(runner, [token_ids[start:start + max_model_len]], "__calibrate"))
-        runner.requests.clear()
+        runner.drop_requests()
     for layer in layers:
         k_amax, v_amax = layer.observed_amax
         layer.observed_amax = None

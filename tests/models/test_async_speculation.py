@@ -256,3 +256,36 @@ def test_ngram_in_the_runner_chunked_preempted_and_prefix_hits(ngram_case):
     assert llm.llm_engine.scheduler.kv.prefix_hits_total > 0
     assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
     assert_drafted_and_idle(llm)
+
+
+def test_ngram_history_rows_follow_the_runners_requests():
+    """A row per request the runner holds: taken when it first sees one (again after a
+    preemption), given back when it drops it, also when startup's warm-up steps are forgotten."""
+    import torch
+
+    from metrale.executor.drafters.ngram import NgramRunnerDrafter
+
+    drafter = NgramRunnerDrafter(2, 1, 3, max_model_len=16)
+    drafter.allocate(2, torch.device("cpu"))
+    drafter.admit("a", [5, 6, 7])
+    drafter.admit("a", [5, 6, 7, 8])  # resumed: the same request, one row
+    drafter.admit("b", [1, 2, -1])  # a pending token (-1) is written by the step that computes it
+    assert sorted(drafter.rows) == ["a", "b"] and drafter.history[drafter.rows["a"], :4].tolist() == [5, 6, 7, 8]
+    with pytest.raises(RuntimeError, match="more running requests than max_num_seqs"):
+        drafter.admit("c", [1])
+    drafter.forget("a")
+    drafter.admit("c", [1])
+    assert sorted(drafter.rows) == ["b", "c"]
+
+
+def test_startup_steps_leave_no_history_rows(ngram_case):
+    path, _ = ngram_case
+    llm = ngram_engine(path, True, max_num_seqs=2)
+    runner = llm.llm_engine.runner
+    from metrale.executor.startup_passes import forward_whole, prefill_plan
+
+    forward_whole(runner, prefill_plan(runner, [[1, 2, 3], [4, 5]], "__warmup"))
+    assert len(runner.drafter.rows) == 2
+    runner.drop_requests()
+    assert not runner.drafter.rows and not runner.requests
+    assert ngram_greedy(llm)  # both rows free for the requests

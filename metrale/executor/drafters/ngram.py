@@ -52,6 +52,7 @@ class NgramRunnerDrafter(RunnerDrafter):
         self.rows, self._free = {}, list(range(max_num_seqs - 1, -1, -1))
 
     def admit(self, request_id: str, token_ids: list[int]) -> None:
+        self.forget(request_id)  # a request seen again starts afresh
         if not self._free:
             raise RuntimeError(f"the n-gram drafter holds {len(self.rows)} requests, its history's size: "
                                "more running requests than max_num_seqs")
