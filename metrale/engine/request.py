@@ -64,6 +64,9 @@ class Request:
         # How many drafts the runner's drafter proposes on the device for the request's next step,
         # from the last step planned to sample for it (scheduler._lookahead_blocks).
         self.device_drafts_ready = 0
+        # The runner's drafter proposed nothing for it at the last step read (prompt lookup found
+        # no match): no drafts the device holds are planned for it until it proposes again.
+        self.proposal_missed = False
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -346,7 +346,10 @@ class Scheduler:
         if room <= 0:
             return []
         if request.num_pending:
-            if not (self.drafts_on_device and self.plans_over_drafts(request)):
+            # The drafter's proposals for the step in flight stand for what it proposes next: where
+            # the last ones read were none (prompt lookup found no match), a plain row, not a verify
+            # step of drafts likely to be padding (each costs a row; docs/speculative.md).
+            if not (self.drafts_on_device and self.plans_over_drafts(request)) or request.proposal_missed:
                 return []
             drafts = [PLACEHOLDER] * min(room, request.device_drafts_ready)
         else:
@@ -401,6 +404,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             token = result.sampled_token_ids.get(request_id)
             request.runner_drafts = result.draft_token_ids.get(request_id, [])
+            request.proposal_missed = request_id in result.draft_token_ids and not request.runner_drafts
             new_tokens = [token]
             if token is not None:
                 new_tokens = self._apply_result(request, result, token)
@@ -430,12 +434,27 @@ class Scheduler:
         accepted = result.accepted_draft_ids.get(request.request_id, drafts[:num_accepted])
         request.resolve_placeholder(accepted, token)
         if drafts:
-            self.spec_stats.record(len(drafts), num_accepted)
-            if self.draft_length is not None:
-                self.draft_length.observe(len(drafts), num_accepted)
+            # Drafts the device held are known now, up to where the drafter's proposal ended
+            # (_learn_device_drafts): the padding after it counts as no draft in the metrics.
+            proposed = len(drafts) - drafts.count(PLACEHOLDER) if self.drafts_on_device else len(drafts)
+            if proposed:
+                self.spec_stats.record(proposed, min(num_accepted, proposed))
+                if self.draft_length is not None:
+                    self.draft_length.observe(proposed, min(num_accepted, proposed))
             if request.status == RequestStatus.RUNNING:
                 request.num_computed_tokens -= len(drafts) - num_accepted  # a preempted one restarts from 0
+        self._learn_device_drafts(request)
         return accepted + [token]
+
+    @staticmethod
+    def _learn_device_drafts(request: Request) -> None:
+        """The next step in flight verifies drafts the device held (PLACEHOLDERs): they are the
+        proposals this result brought (`runner_drafts`: the drafter's, up to where it ended),
+        and PLACEHOLDER past them (padding the device verifies all the same)."""
+        if request.inflight_drafts and PLACEHOLDER in request.inflight_drafts[0]:
+            planned = request.inflight_drafts[0]
+            known = request.runner_drafts[:len(planned)]
+            planned[:len(known)] = known
 
     def _check_stop(self, request: Request, token: int, num_after: int = 0) -> RequestStatus | None:
         """Whether `token`, followed by `num_after` more new tokens of this step, ends the request."""

@@ -246,10 +246,12 @@ def make_device_scheduler(k=2, lookahead=1, **kw):
     return s
 
 
-def answer(plan, tokens: dict, accepted: dict = {}, accepted_ids: dict = {}) -> ModelRunnerOutput:
-    """The runner's result of `plan`: a token per request that samples, drafts accepted per request."""
+def answer(plan, tokens: dict, accepted: dict = {}, accepted_ids: dict = {}, proposals: dict = {}) -> ModelRunnerOutput:
+    """The runner's result of `plan`: a token per request that samples, drafts accepted per request,
+    the drafter's proposals for the next step."""
     return ModelRunnerOutput({rid: t for rid, t in tokens.items() if rid in plan.num_scheduled_tokens},
-                             num_accepted_drafts=dict(accepted), accepted_draft_ids=dict(accepted_ids))
+                             num_accepted_drafts=dict(accepted), accepted_draft_ids=dict(accepted_ids),
+                             draft_token_ids=dict(proposals))
 
 
 def test_a_greedy_request_is_planned_over_its_verify_step_in_flight():
@@ -262,14 +264,15 @@ def test_a_greedy_request_is_planned_over_its_verify_step_in_flight():
     first, _ = s.schedule()  # over it: that token, then the 2 drafts its drafter proposes on the device
     assert first.num_scheduled_tokens == {"a": 3} and first.draft_token_ids == {"a": [PLACEHOLDER] * 2}
     assert first.cached_requests[0].num_unverified_drafts == 0  # the prefill verified nothing
-    s.update(prefill, answer(prefill, {"a": 50}))
+    s.update(prefill, answer(prefill, {"a": 50}, proposals={"a": [60, 62]}))
     assert r.token_ids[10:] == [50, PLACEHOLDER] and r.num_computed_tokens == 13
+    assert r.inflight_drafts[0] == [60, 62]  # the first step's drafts, known on the host from now on
     second, _ = s.schedule()  # over the first verify step, as if it accepts both drafts
     assert second.cached_requests[0].num_unverified_drafts == 2
     assert second.cached_requests[0].num_computed_tokens == 13 and second.num_scheduled_tokens == {"a": 3}
     # Room was reserved up to the last position the second step may reach, and the lookahead.
     assert len(s.kv.get_block_table("a")) * 4 >= 16 + 1
-    s.update(first, answer(first, {"a": 61}, {"a": 1}, {"a": [60]}))  # one accepted, one rejected
+    s.update(first, answer(first, {"a": 61}, {"a": 1}, {"a": [60]}, {"a": [70, 71]}))  # one accepted, one rejected
     assert r.token_ids[10:] == [50, 60, 61, PLACEHOLDER]
     # The count rolled back by the rejected draft: the second step's rows start at 61 (position 12).
     assert r.num_computed_tokens - r.num_unverified_drafts == r.num_tokens - 1 == 13
@@ -331,3 +334,31 @@ def test_max_tokens_counts_the_drafts_in_flight_as_accepted():
     assert len(first.draft_token_ids["a"]) == 3
     second, _ = s.schedule()  # if all 3 are accepted, 5 outputs: one more token, no draft
     assert "a" in second.num_scheduled_tokens and "a" not in second.draft_token_ids
+
+
+def test_no_device_drafts_after_the_drafter_proposed_none_and_padding_is_no_draft():
+    """Prompt lookup in the runner proposes nothing where it finds no match: the request's next
+    step over the one in flight is a plain row, and drafts the device padded (-1, verified all the
+    same) are not counted as drafts."""
+    from metrale.messages.scheduler_output import PLACEHOLDER
+
+    s = make_device_scheduler(k=3, lookahead=0)
+    r = make_request("a", list(range(1, 11)), max_tokens=30, temperature=0)
+    s.add_request(r)
+    prefill, _ = s.schedule()
+    first, _ = s.schedule()  # nothing read yet: drafts are planned
+    assert first.draft_token_ids == {"a": [PLACEHOLDER] * 3}
+    s.update(prefill, answer(prefill, {"a": 50}, proposals={"a": [7]}))  # a match of one token
+    assert r.inflight_drafts[0] == [7, PLACEHOLDER, PLACEHOLDER]
+    second, _ = s.schedule()
+    assert len(second.draft_token_ids["a"]) == 3
+    s.update(first, answer(first, {"a": 8}, {"a": 1}, {"a": [7]}, proposals={"a": []}))  # then no match
+    assert s.spec_stats.num_drafts == 1 and s.spec_stats.num_draft_tokens == 1  # the one proposed draft
+    assert s.spec_stats.num_accepted_tokens == 1
+    third, _ = s.schedule()
+    assert "a" in third.num_scheduled_tokens and "a" not in third.draft_token_ids  # a plain row
+    s.update(second, answer(second, {"a": 9}, {"a": 0}, {"a": []}, proposals={"a": [1, 2, 3]}))
+    assert s.spec_stats.num_drafts == 1  # its drafts were padding: none counted
+    s.update(third, answer(third, {"a": 4}, proposals={"a": [1, 2, 3]}))
+    fourth, _ = s.schedule()
+    assert fourth.draft_token_ids == {"a": [1, 2, 3]}  # nothing in flight: the host's copy of the proposal

@@ -227,7 +227,8 @@ def ngram_greedy(llm: LLM) -> list[list[int]]:
 
 def test_ngram_drafts_in_the_runner_under_asynchronous_scheduling(ngram_case):
     """Prompt lookup moves into the runner (executor/drafters/ngram.py): the host's drafts for the
-    same tokens, so the same acceptance as the synchronous engine's, and the same tokens."""
+    same tokens, the same tokens; drafts accepted. (Not the same count: a step is planned over
+    the one in flight before that step's proposal is read, so a match is drafted a step later.)"""
     from metrale.executor.drafters.ngram import NgramRunnerDrafter
 
     path, expected = ngram_case
@@ -239,8 +240,8 @@ def test_ngram_drafts_in_the_runner_under_asynchronous_scheduling(ngram_case):
     overlapped = count_overlapped_plans(llm)
     assert ngram_greedy(llm) == expected
     assert overlapped[0] > 0
-    ours, theirs = llm.llm_engine.scheduler.spec_stats, synchronous.llm_engine.scheduler.spec_stats
-    assert ours.num_accepted_tokens == theirs.num_accepted_tokens > 0
+    assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert synchronous.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
     assert ngram_greedy(llm) == expected
     assert_drafted_and_idle(llm)
 
