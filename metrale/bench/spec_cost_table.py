@@ -182,18 +182,27 @@ def measure(engine, spec, batch_sizes: list[int], draft_counts: list[int], conte
 def _step_seconds(engine, timer: StepTimer, batch: int, k: int, warmup: int, repetitions: int) -> float:
     """A step of `batch` requests with k drafts each: the median of single steps, or under
     asynchronous scheduling the mean of a run of `repetitions` steps (each overlaps the next's
-    planning). Every step is checked to have verified exactly those drafts (asynchronously, the
-    run's results: each read one step later, after warm-up steps of the same k)."""
-    stats = engine.scheduler.spec_stats
+    planning). Every timed step is checked to have planned exactly those drafts."""
+    scheduler = engine.scheduler
+    planned = []  # the drafts of each plan: what a step verifies, whatever the drafter proposed in it
+    schedule = scheduler.schedule
+
+    def counting():
+        plan, ended = schedule()
+        planned.append([len(d) for d in plan.draft_token_ids.values()])
+        return plan, ended
 
     def checked(steps: int, run):
-        before = stats.copy()
-        seconds = run()
-        drafts, tokens = stats.num_drafts - before.num_drafts, stats.num_draft_tokens - before.num_draft_tokens
-        want = (steps * batch, steps * batch * k) if k else (0, 0)
-        if (drafts, tokens) != want:
-            raise RuntimeError(f"spec-cost-table: {steps} step(s) of batch {batch}, k {k} verified {drafts} drafts of "
-                               f"{tokens} tokens, not {want[0]} of {want[1]}")
+        del planned[:]
+        scheduler.schedule = counting
+        try:
+            seconds = run()
+        finally:
+            scheduler.schedule = schedule
+        want = [[k] * batch if k else []] * steps
+        if planned != want:
+            raise RuntimeError(f"spec-cost-table: {steps} step(s) of batch {batch}, k {k} planned drafts {planned}, "
+                               f"not {want}")
         return seconds
 
     if engine.async_scheduling:

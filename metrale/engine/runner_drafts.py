@@ -18,3 +18,11 @@ class RunnerDrafts:
     def propose(self, runner_drafts: list[int], max_tokens: int) -> list[int]:
         """The runner's drafts of the request's last step, cut to `max_tokens` (the room)."""
         return runner_drafts[:min(self.k, max_tokens)]
+
+    @staticmethod
+    def expects_drafts(request) -> bool:
+        """Whether drafts are worth planning over the request's step in flight, before its
+        proposal is read: by the last proposal read (empty where prompt lookup found no match;
+        MTP and DFlash always propose), so a request without a match gets a plain row, not a
+        verify step of padding."""
+        return not request.proposal_missed

@@ -349,7 +349,7 @@ class Scheduler:
             # The drafter's proposals for the step in flight stand for what it proposes next: where
             # the last ones read were none (prompt lookup found no match), a plain row, not a verify
             # step of drafts likely to be padding (each costs a row; docs/speculative.md).
-            if not (self.drafts_on_device and self.plans_over_drafts(request)) or request.proposal_missed:
+            if not (self.drafts_on_device and self.plans_over_drafts(request)) or not self._expects_drafts(request):
                 return []
             drafts = [PLACEHOLDER] * min(room, request.device_drafts_ready)
         else:
@@ -358,6 +358,12 @@ class Scheduler:
         # Drafts never preempt another request: without free blocks for them, a plain step.
         missing = self.kv.blocks_needed(end + len(drafts)) - len(self.kv.get_block_table(request.request_id))
         return drafts if missing <= self.kv.num_free_blocks else []
+
+    def _expects_drafts(self, request: Request) -> bool:
+        """Whether the drafter proposes drafts for the step after the one in flight, by the
+        drafter's own rule (engine/runner_drafts.py); a drafter without one: always."""
+        expects = getattr(self.drafter, "expects_drafts", None)
+        return expects(request) if expects is not None else True
 
     def plans_over_drafts(self, request: Request) -> bool:
         """Whether the request may be planned while a step verifying its drafts is in flight:
