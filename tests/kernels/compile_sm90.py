@@ -33,6 +33,7 @@ from metrale.kernels import moe_gemv as MG
 from metrale.kernels import moe_routing as MR
 from metrale.kernels import paged_attention as A
 from metrale.kernels import qk_norm_rope as Q
+from metrale.kernels import ngram_match as NM
 from metrale.kernels import rejection_sampling as RS
 from metrale.kernels import sampling as S
 
@@ -41,6 +42,10 @@ _TILE = {"n_rows": INT, "vocab": INT, "stride_row": INT, "num_chunks": INT, "eps
 
 # name: (kernel, argument types, constexprs, num_warps): the launch shapes of a Qwen3 vocabulary
 KERNELS = {
+    # prompt lookup on the device (the n-gram drafter in the runner): k = 4, n = 2..4
+    "ngram_match._ngram_kernel": (NM._ngram_kernel, {
+        "history_ptr": "*i32", "stride_h": INT, "rows_ptr": I64, "lengths_ptr": I64, "out_ptr": I64},
+        {"MIN_N": 2, "MAX_N": 4, "K": 4, "K_PAD": 4, "BLOCK": 1024, "END_BITS": 40}, 4),
     # speculative decoding's rejection sampler: fp32 scores (sampled rows), a 152k vocabulary
     # (75 chunks of 2048)
     "rejection_sampling._chunk_stats_kernel": (RS._chunk_stats_kernel, {

@@ -50,6 +50,9 @@ class NgramRunnerDrafter(RunnerDrafter):
     def allocate(self, max_num_seqs: int, device: torch.device) -> None:
         self.history = torch.zeros(max_num_seqs, self.max_model_len + 1, dtype=torch.int32, device=device)
         self.rows, self._free = {}, list(range(max_num_seqs - 1, -1, -1))
+        if device.type == "cuda":  # compile the lookup now, not at the first request's first step
+            one = torch.ones(1, dtype=torch.int64, device=device)
+            ngram_drafts(self.history, one - 1, one, self.k, self.min_n, self.max_n)
 
     def admit(self, request_id: str, token_ids: list[int]) -> None:
         self.forget(request_id)  # a request seen again starts afresh
