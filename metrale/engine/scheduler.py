@@ -367,12 +367,12 @@ class Scheduler:
 
     def plans_over_drafts(self, request: Request) -> bool:
         """Whether the request may be planned while a step verifying its drafts is in flight:
-        with drafts on the device, for a greedy request whose logits nothing edits (the
-        device's verdict is its token: no history, no random stream with an output index the
-        host cannot know yet). Others wait for the result (the engine reads it first)."""
+        with drafts on the device, for a request whose logits nothing edits (greedy, or drawn at
+        random from streams whose output index the device corrects: executor/model_runner.py's
+        index_shift). Penalties and min_tokens read the tokens, a grammar its matcher: such a
+        request waits for the result (the engine reads it first)."""
         params = request.sampling_params
-        return (self.drafts_on_device and params.greedy and not params.changes_logits
-                and params.structured_outputs is None)
+        return self.drafts_on_device and not params.changes_logits and params.structured_outputs is None
 
     def _awaits_last_token(self, request: Request) -> bool:
         """A request whose pending token will be its last (max_tokens or the context length): no

@@ -29,7 +29,7 @@ from metrale.executor.last_step import LastStep
 from metrale.executor.step_indices import speculative_indices
 from metrale.executor.step_output import PendingOutput, VerifiedDrafts
 from metrale.executor.multimodal_step import mrope_positions, multimodal_batch
-from metrale.executor.rejection_sampler import verify_drafts, verify_drafts_greedy
+from metrale.executor.rejection_sampler import verify_drafts
 from metrale.executor.sampler import SampledTokens, SamplingRow, sample_tokens
 from metrale.kernels import kernel_path
 from metrale.layers.cache_backend import CacheBackend, get_backend
@@ -115,6 +115,10 @@ class BatchInputs:
     # Speculative steps and runner-side drafters: executor/step_indices.py's arrays, on the device.
     index: dict[str, torch.Tensor] = field(default_factory=dict)
     request_ids: list[str] | None = None  # every sequence's request, in the layout's order
+    # int64 [sampled requests] on the device: outputs a sampled request's output index lacks (the
+    # drafts its verify step in flight accepted, where it was planned over it and samples at
+    # random: its streams are keyed by that index); None where no such request samples.
+    index_shift: torch.Tensor | None = None
     # `uses_mrope` models: int64 [3, T] positions (executor/multimodal_step.py); and the step's
     # placeholder rows with their encoder outputs, None without any.
     mrope_positions: torch.Tensor | None = None
@@ -404,7 +408,7 @@ class ModelRunner:
             indices = speculative_indices(np.asarray(sampled_rows, dtype=np.int64), logits_indices, logits_rows,
                                           num_drafts, len(input_ids), query_start, chunk_next_ids, capacity)
         wide = {"input_ids": input_ids, "positions": positions, "slots": slots, "logits_indices": logits_indices,
-                **sources, **indices}
+                **sources, **indices, **self._shift_sources(scheduled, sampled_rows, unverified)}
         state_slots = np.fromiter((st.state_slot for _, st, _ in scheduled), dtype=np.int64, count=num_seqs)
         narrow = {"tables": tables, "seq_lens": seq_lens, "query_start": query_start,
                   "state_slots": state_slots, "has_state": starts > 0}
@@ -416,6 +420,10 @@ class ModelRunner:
         dev.update(self._upload(narrow, torch.int32))
         if from_device:
             self.last_step.fill(dev, bs)
+        index_shift = None
+        if "shift_sources" in dev:
+            accepted = self.last_step.accepted
+            index_shift = torch.cat([accepted, accepted.new_zeros(1)])[dev["shift_sources"]]
         layout = BatchLayout(
             positions=dev["positions"], query_start_loc=dev["query_start"], seq_lens=dev["seq_lens"],
             block_tables=dev["tables"], slot_mapping=dev["slots"], state_slots=dev["state_slots"],
@@ -429,7 +437,8 @@ class ModelRunner:
         batch = BatchInputs(dev["input_ids"], layout, dev["logits_indices"], [scheduled[i][0] for i in sampled_rows],
                             logits_rows, host=None if from_device else HostRows(input_ids, positions, slots, state_slots),
                             logits_indices_cpu=logits_indices, state_slots_cpu=state_slots,
-                            index={name: dev[name] for name in indices}, request_ids=[rid for rid, _, _ in scheduled])
+                            index={name: dev[name] for name in indices}, request_ids=[rid for rid, _, _ in scheduled],
+                            index_shift=index_shift)
         if self.uses_mrope:
             batch.mrope_positions = torch.from_numpy(mrope_positions(scheduled, positions, seq_index)).to(self.device)
             batch.multimodal = multimodal_batch(self.model, self.encoder_cache, scheduled, starts, query_lens,
@@ -438,6 +447,17 @@ class ModelRunner:
             batch.capacity = capacity.tolist()
             batch.sampled_seq_index = list(sampled_rows)
         return batch
+
+    def _shift_sources(self, scheduled: list, sampled_rows: list[int], unverified: np.ndarray) -> dict[str, np.ndarray]:
+        """Where sampled requests that draw at random were planned over their verify step in
+        flight: per sampled request, its row among the last step's accepted counts, or past them
+        (no shift); {} where none was."""
+        moved = [i for i in sampled_rows if unverified[i] and not scheduled[i][1].sampling_params.greedy]
+        if not moved:
+            return {}
+        rows, past = self.last_step.rows, self.last_step.accepted.shape[0]
+        return {"shift_sources": np.fromiter((rows[scheduled[i][0]] if unverified[i] else past for i in sampled_rows),
+                                             dtype=np.int64, count=len(sampled_rows))}
 
     @staticmethod
     def _input_ids(plan: SchedulerOutput, scheduled: list, query_lens: np.ndarray) -> np.ndarray:
@@ -513,7 +533,7 @@ class ModelRunner:
             else:
                 sampled = sample_tokens(logits, [SamplingRow(st.sampling_params, st.seed, st.token_ids,
                                                              st.num_prompt_tokens) for st in states],
-                                        self._token_bitmask(batch.sampled_request_ids, states))
+                                        self._token_bitmask(batch.sampled_request_ids, states), batch.index_shift)
         for state in states:
             state.token_ids.append(PLACEHOLDER)
         accepted = self._accepted_per_row(batch, verified)
@@ -601,23 +621,22 @@ class ModelRunner:
             tokens = torch.empty(len(ids), dtype=torch.int64, device=logits.device)
             plain_logits = logits[batch.index["plain_logit_rows"]]
             plain_sampled = sample_tokens(plain_logits, [rows[i] for i in plain],
-                                          self._token_bitmask([ids[i] for i in plain], [states[i] for i in plain]))
+                                          self._token_bitmask([ids[i] for i in plain], [states[i] for i in plain]),
+                                          None if batch.index_shift is None
+                                          else batch.index_shift[batch.index["plain_positions"]])
             tokens[batch.index["plain_positions"]] = plain_sampled.tokens
             spec_logits = logits[batch.index["spec_logit_rows"]]
         else:  # every request drafted (batch 1's verify step): the logits rows are spec's, in order
             spec_logits = logits
         draft_raw = self._draft_raw_logprobs(spec_logits, spec, rows, [len(drafts[ids[i]]) for i in spec])
+        # Planned over the step in flight (scheduler.plans_over_drafts): drafts and output
+        # indices the device holds, for requests whose logits nothing edits.
         device_drafts = self._device_drafts(batch, spec, drafts)
-        if device_drafts is None:
-            num_accepted, spec_tokens = verify_drafts(spec_logits, [rows[i] for i in spec],
-                                                      [drafts[ids[i]] for i in spec],
-                                                      [self._draft_q(ids[i], len(drafts[ids[i]])) for i in spec])
-        else:  # planned over the step in flight: plain greedy rows alone (scheduler.plans_over_drafts)
-            if not all(rows[i].params.greedy and not rows[i].params.changes_logits for i in spec):
-                raise RuntimeError("a verify step of drafts the device holds reached a request that samples "
-                                   "or edits its logits")
-            num_accepted, spec_tokens = verify_drafts_greedy(spec_logits, [drafts[ids[i]] for i in spec],
-                                                             device_drafts)
+        shift = batch.index_shift
+        num_accepted, spec_tokens = verify_drafts(
+            spec_logits, [rows[i] for i in spec], [drafts[ids[i]] for i in spec],
+            [self._draft_q(ids[i], len(drafts[ids[i]])) for i in spec], device_drafts,
+            None if shift is None else shift if not plain else shift[batch.index["spec_positions"]])
         if plain:
             tokens[batch.index["spec_positions"]] = spec_tokens
         else:

@@ -35,10 +35,12 @@ kernel (kernels/rejection_sampling.py) after the sampler's own penalties and fil
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
-from metrale.executor.sampler import SamplingRow, _apply_penalties, _filter, stream_seed
+from metrale.executor.sampler import SamplingRow, _apply_penalties, _filter, stream_seed, stream_seeds
 from metrale.kernels import use_triton
 from metrale.kernels.rejection_sampling import counter_uniforms_rows, rejection_sample_triton
 
@@ -63,18 +65,36 @@ def _streams(device, seed: int, first_index: int, count: int, vocab: int, salt: 
 
 
 def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
-                  draft_probs: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  draft_probs: list[torch.Tensor | None] | None = None, device_drafts: torch.Tensor | None = None,
+                  index_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [sum(1 + len(d) for d in drafts), vocab], each request's positions in order.
     `draft_probs`: per request, the distributions its drafts were drawn from ([len(d), vocab]),
-    or None for point masses. Returns (number of drafts accepted, the token after them), int64
+    or None for point masses. A step planned over a verify step in flight (asynchronous
+    scheduling) has requests whose drafts, or whose output index, only the device knows:
+    `device_drafts` [len(rows), most drafts] (-1 past a request's) where the lists hold
+    PLACEHOLDERs, `index_shift` int64 [len(rows)] the outputs each row's count lacks; their
+    logits nothing edits. Returns (number of drafts accepted, the token after them), int64
     [len(rows)] each, on the logits' device."""
     if draft_probs is not None and all(q is None for q in draft_probs):
         draft_probs = None
     if draft_probs is None and all(r.params.greedy and not r.params.changes_logits for r in rows):
-        return verify_drafts_greedy(logits, drafts)
+        return verify_drafts_greedy(logits, drafts, device_drafts)
     if use_triton(logits) and draft_probs is None:
-        return verify_drafts_triton(logits, rows, drafts)
+        return verify_drafts_triton(logits, rows, drafts, device_drafts, index_shift)
+    if device_drafts is not None or index_shift is not None:  # the reference reads them (waits for the device)
+        drafts, rows = _read_device_parts(rows, drafts, device_drafts, index_shift)
     return verify_drafts_reference(logits, rows, drafts, draft_probs)
+
+
+def _read_device_parts(rows: list[SamplingRow], drafts: list[list[int]], device_drafts: torch.Tensor | None,
+                       index_shift: torch.Tensor | None) -> tuple[list[list[int]], list[SamplingRow]]:
+    if device_drafts is not None:
+        values = device_drafts.tolist()
+        drafts = [values[i][:len(d)] for i, d in enumerate(drafts)]
+    if index_shift is not None:
+        rows = [dataclasses.replace(row, index_shift=row.index_shift + shift)
+                for row, shift in zip(rows, index_shift.tolist())]
+    return drafts, rows
 
 
 def verify_drafts_greedy(logits: torch.Tensor, drafts: list[list[int]],
@@ -124,50 +144,69 @@ def verify_greedy_padded(logits: torch.Tensor, input_ids: torch.Tensor, real_que
     return torch.stack([target.gather(1, accepted[:, None]).squeeze(1), accepted])
 
 
-def verify_drafts_triton(logits: torch.Tensor, rows: list[SamplingRow],
-                         drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_drafts_triton(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
+                         device_drafts: torch.Tensor | None = None,
+                         index_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """verify_drafts through kernels/rejection_sampling.py: the penalties and filters of every
-    position as the reference applies them, then one accept / residual / bonus kernel pair."""
+    position as the reference applies them, then one accept / residual / bonus kernel pair. The
+    drafts and stream keys of the device (`device_drafts`, `index_shift`: verify_drafts) are
+    gathered and hashed there (sampler.stream_seeds), with no wait for it."""
     scores = logits
     if any(r.params.changes_logits for r in rows):
+        if device_drafts is not None or index_shift is not None:
+            raise ValueError("a request whose logits are edited per position needs its drafts and output index on "
+                             "the host")
         flat = [r for row, d in zip(rows, drafts) for r in position_rows(row, d)]
         scores = logits.to(torch.float32, copy=True)
         _apply_penalties(scores, flat)
     else:  # the filters read only the parameters: no copies of the token lists
         flat = [row for row, d in zip(rows, drafts) for _ in range(len(d) + 1)]
-    sampled = [i for i, r in enumerate(flat) if not r.params.greedy]
-    if sampled:
+    device = logits.device
+    counts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
+    starts = np.concatenate([[0], np.cumsum(counts + 1)[:-1]]).astype(np.int64)
+    max_drafts = max(int(counts.max()) if len(counts) else 0, device_drafts.shape[1] if device_drafts is not None else 0)
+    sampled = np.fromiter((i for i, r in enumerate(flat) if not r.params.greedy), dtype=np.int64)
+    # Row r of request i at position j: its draft (or -1 at the bonus position), its stream index.
+    request = np.repeat(np.arange(len(drafts)), counts + 1)
+    position = np.arange(len(flat)) - starts[request]
+    index = np.fromiter((row.num_output_tokens for row in rows), dtype=np.int64, count=len(rows))[request] + position
+    seeds = np.fromiter((_signed(row.seed) for row in rows), dtype=np.int64, count=len(rows))[request]
+    if device_drafts is None:
+        padded = np.full((len(drafts), max_drafts), -1, dtype=np.int64)
+        for i, d in enumerate(drafts):
+            padded[i, :len(d)] = d
+    else:
+        padded = np.zeros((len(drafts), 0), dtype=np.int64)
+    # The flat draft index of each row: past the last draft (reads -1) at a bonus position.
+    row_source = np.where(position < counts[request], request * max_drafts + position, len(drafts) * max_drafts)
+    small = np.concatenate([starts, counts, [not r.params.greedy for r in rows], sampled, padded.ravel(), row_source,
+                            index, seeds, request])
+    parts = torch.from_numpy(small).pin_memory() if logits.is_cuda else torch.from_numpy(small)
+    parts = parts.to(device, non_blocking=True)
+    b, r, n = len(drafts), len(flat), len(sampled)
+    starts_d, counts_d, sampled_d, sampled_rows = parts[:b], parts[b:2 * b], parts[2 * b:3 * b], parts[3 * b:3 * b + n]
+    rest = parts[3 * b + n:]
+    drafts_d = (device_drafts if device_drafts is not None else rest[:padded.size].view(b, max_drafts))
+    rest = rest[padded.size:]
+    row_source_d, index_d, seeds_d, request_d = rest[:r], rest[r:2 * r], rest[2 * r:3 * r], rest[3 * r:]
+    if index_shift is not None:
+        index_d = index_d + index_shift[request_d]
+    flat_drafts = torch.cat([drafts_d.reshape(-1), drafts_d.new_full((1,), -1)])
+    row_draft_d = flat_drafts[row_source_d]
+    if n:
         if scores is logits:  # never write the caller's logits
             scores = logits.to(torch.float32, copy=True)
-        index = torch.tensor(sampled, device=logits.device)
-        scores[index] = _filter(scores[index], [flat[i] for i in sampled])
-    counts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
-    starts = np.concatenate([[0], np.cumsum(counts + 1)[:-1]])
-    max_drafts = int(counts.max()) if len(counts) else 0
-    padded = np.full((len(drafts), max_drafts), -1, dtype=np.int64)
-    row_draft = np.full(len(flat), -1, dtype=np.int64)
-    for i, (start, d) in enumerate(zip(starts, drafts)):
-        padded[i, :len(d)] = d
-        row_draft[start:start + len(d)] = d
-    draw_keys = np.empty(len(flat), dtype=np.uint64)
-    accept_keys = np.empty(len(flat), dtype=np.uint64)
-    for i, (start, row, d) in enumerate(zip(starts, rows, drafts)):  # position j's output index: the count + j
-        index = row.num_output_tokens
-        for j in range(len(d) + 1):
-            draw_keys[start + j] = stream_seed(row.seed, index + j)
-            accept_keys[start + j] = stream_seed(row.seed ^ _ACCEPT_SALT, index + j)
-    small = torch.from_numpy(np.concatenate([starts, counts, [not r.params.greedy for r in rows], padded.ravel(),
-                                             row_draft]).astype(np.int32))
-    keys = torch.from_numpy(np.concatenate([draw_keys, accept_keys]).view(np.int64))
-    pin = logits.is_cuda
-    small = (small.pin_memory() if pin else small).to(logits.device, non_blocking=True)
-    keys = (keys.pin_memory() if pin else keys).to(logits.device, non_blocking=True)
-    b, r = len(drafts), len(flat)
-    starts_d, counts_d, sampled_d = small[:b], small[b:2 * b], small[2 * b:3 * b]
-    drafts_d = small[3 * b:3 * b + b * max_drafts].view(b, max_drafts)
-    row_draft_d = small[3 * b + b * max_drafts:]
-    return rejection_sample_triton(scores, starts_d, counts_d, drafts_d, 1 - sampled_d, keys[:r], keys[r:],
-                                   row_draft_d)
+        scores[sampled_rows] = _filter(scores[sampled_rows], [flat[i] for i in sampled])
+    draw_keys = stream_seeds(seeds_d, index_d)
+    accept_keys = stream_seeds(seeds_d ^ _ACCEPT_SALT, index_d)
+    return rejection_sample_triton(scores, starts_d.int(), counts_d.int(), drafts_d.int(), (1 - sampled_d).int(),
+                                   draw_keys, accept_keys, row_draft_d.int())
+
+
+def _signed(seed: int) -> int:
+    """A 64-bit seed as the int64 with its bits."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def verify_drafts_reference(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],

@@ -9,6 +9,7 @@ tokens do not depend on its batch or on being preempted and recomputed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,24 @@ from metrale.kernels import use_triton
 from metrale.kernels.token_bitmask import apply_token_bitmask
 
 _MASK64 = (1 << 64) - 1
+
+
+def _to_signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN, _MIX1, _MIX2 = (_to_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def stream_seeds(seeds: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """stream_seed of each (seed, index), on the tensors' device, as int64 bit patterns: for
+    output indices only the device knows (a step planned over a verify step in flight). int64
+    arithmetic wraps modulo 2^64 as the host's masked one does; a right shift is logical once
+    its sign bits are masked off."""
+    z = seeds * _GOLDEN + indices + 1
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _MIX1
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _MIX2
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
 
 
 def stream_seed(seed: int, index: int) -> int:
@@ -38,10 +57,14 @@ class SamplingRow:
     seed: int
     token_ids: list[int]
     num_prompt_tokens: int
+    # Outputs the host has not read beyond one placeholder per step in flight: the drafts a verify
+    # step in flight accepted, where the request was planned over it (read from the device).
+    index_shift: int = 0
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """The output index of the request's next token (its random streams are keyed by it)."""
+        return len(self.token_ids) - self.num_prompt_tokens + self.index_shift
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -71,15 +94,22 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
+def column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on `device` without waiting for it (pinned, then copied behind the queued work;
+    a list copied from pageable memory waits for the device)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p as -inf masks, row by row in one pass."""
     device = logits.device
-    temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+    temperature = column([r.params.temperature for r in rows], torch.float32, device)
     logits = logits / temperature[:, None]
     vocab = logits.shape[1]
-    top_k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows], device=device)
-    top_p = torch.tensor([r.params.top_p for r in rows], device=device)
-    min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+    top_k = column([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows], torch.int64, device)
+    top_p = column([r.params.top_p for r in rows], torch.float32, device)
+    min_p = column([r.params.min_p for r in rows], torch.float32, device)
     if (top_k < vocab).any() or (top_p < 1.0).any():
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)[None, :]
@@ -107,24 +137,24 @@ def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
-def _sample_on_gpu(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _sample_on_gpu(logits: torch.Tensor, rows: list[SamplingRow],
+                   index_shift: torch.Tensor | None = None) -> torch.Tensor:
     """The fused Triton sampler: filters and a counter-based draw per row, no host sync.
-    Its random streams differ from the CPU path's; each is deterministic and batch-invariant."""
+    Its random streams differ from the CPU path's; each is deterministic and batch-invariant.
+    `index_shift`: int64 [len(rows)] on the device, added to each row's output index."""
     from metrale.kernels.sampling import sample_tokens_triton
 
-    def column(values, dtype):
-        return torch.tensor(values, dtype=dtype, pin_memory=logits.is_cuda).to(logits.device, non_blocking=True)
-
-    vocab = logits.shape[1]
+    vocab, device = logits.shape[1], logits.device
     sampled = [r.params for r in rows if not r.params.greedy]  # greedy rows ignore the filters
+    offsets = column([r.num_output_tokens for r in rows], torch.int64, device)
     return sample_tokens_triton(
         logits.contiguous(),
-        column([r.params.temperature for r in rows], torch.float32),
-        column([r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows], torch.int64),
-        column([r.params.top_p for r in rows], torch.float32),
-        column([r.params.min_p for r in rows], torch.float32),
-        column([r.seed & 0x7FFFFFFFFFFFFFFF for r in rows], torch.int64),
-        column([r.num_output_tokens for r in rows], torch.int64),
+        column([r.params.temperature for r in rows], torch.float32, device),
+        column([r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows], torch.int64, device),
+        column([r.params.top_p for r in rows], torch.float32, device),
+        column([r.params.min_p for r in rows], torch.float32, device),
+        column([r.seed & 0x7FFFFFFFFFFFFFFF for r in rows], torch.int64, device),
+        offsets if index_shift is None else offsets + index_shift,
         any_top_k=any(0 < p.top_k < vocab for p in sampled), any_top_p=any(p.top_p < 1.0 for p in sampled),
         any_min_p=any(p.min_p > 0 for p in sampled))
 
@@ -182,13 +212,16 @@ class SampledTokens:
 
 
 def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow],
-                  token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampledTokens:
+                  token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  index_shift: torch.Tensor | None = None) -> SampledTokens:
     """logits: [len(rows), vocab] for the last position of each sampled request, in the model's
     dtype. No host sync. Everything is computed on logits widened to fp32; the Triton sampler
     and the greedy argmax widen as they read (exact), so a batch with no penalties and no
     logit bias costs no fp32 copy of its logits. `token_bitmask`: (row indices, packed int32
     bitmask) of the constrained rows, on the logits' device; it masks the logits in place, after
-    the raw logprobs are taken (the caller hands over logits it does not read again)."""
+    the raw logprobs are taken (the caller hands over logits it does not read again).
+    `index_shift`: int64 [len(rows)] on the device, outputs each row's output index lacks (a
+    request planned over a verify step in flight: SamplingRow.index_shift, not read yet)."""
     want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].float().log_softmax(dim=-1) if want_logprobs else None
     if any(r.params.changes_logits for r in rows):
@@ -199,10 +232,12 @@ def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow],
         apply_token_bitmask(logits, bitmask, constrained_rows)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows and use_triton(logits):
-        tokens = _sample_on_gpu(logits, rows)
+        tokens = _sample_on_gpu(logits, rows, index_shift)
         random_rows = []
     else:
         tokens = logits.argmax(dim=-1)  # the first maximum, as of the fp32 values
+    if random_rows and index_shift is not None:  # the reference reads the shift (waits for the device)
+        rows = [dataclasses.replace(r, index_shift=r.index_shift + shift) for r, shift in zip(rows, index_shift.tolist())]
     if random_rows:
         subset = [rows[i] for i in random_rows]
         index = torch.tensor(random_rows, device=logits.device)

@@ -282,9 +282,14 @@ def test_a_greedy_request_is_planned_over_its_verify_step_in_flight():
     assert s.spec_stats.num_drafts == 2 and s.spec_stats.num_accepted_tokens == 3
 
 
-def test_requests_that_sample_wait_for_their_verify_step():
+@pytest.mark.parametrize("params, planned_over", [
+    (dict(temperature=0.7, top_p=0.9), True),  # its stream's output index: corrected on the device
+    (dict(temperature=0, repetition_penalty=1.2), False),  # penalties read the tokens
+    (dict(temperature=0, min_tokens=10), False),  # min_tokens counts the outputs
+])
+def test_which_requests_are_planned_over_their_verify_step(params, planned_over):
     s = make_device_scheduler()
-    r = make_request("a", list(range(1, 11)), temperature=0.7)
+    r = make_request("a", list(range(1, 11)), **params)
     s.add_request(r)
     prefill, _ = s.schedule()
     s.update(prefill, answer(prefill, {"a": 50}))
@@ -292,7 +297,7 @@ def test_requests_that_sample_wait_for_their_verify_step():
     first, _ = s.schedule()
     assert first.draft_token_ids == {"a": [5, 6]}  # nothing in flight: the host's drafts
     second, _ = s.schedule()
-    assert "a" not in second.num_scheduled_tokens  # its output index is not known until it is read
+    assert ("a" in second.num_scheduled_tokens) == planned_over
 
 
 def test_a_stop_in_a_verify_step_drops_the_step_planned_after_it():

@@ -95,3 +95,37 @@ def test_bf16_greedy_logits_are_read_without_a_copy(device):
     logits, rows, drafts = _batch(device, [SamplingParams(temperature=0)] * 4, seed=1)
     logits = logits.to(torch.bfloat16)
     _check(logits, rows, drafts)
+
+
+def test_drafts_and_output_indices_the_device_holds(device):
+    """A step planned over a verify step in flight: drafts the device holds and output indices it
+    corrects (the drafts that step accepted) give exactly what the host's own drafts and indices
+    give, the Triton kernel's streams hashed on the device and the reference's on the host."""
+    from metrale.executor.rejection_sampler import verify_drafts
+    from metrale.executor.sampler import stream_seed, stream_seeds
+    from metrale.kernels import kernel_path
+    from metrale.messages.scheduler_output import PLACEHOLDER
+
+    seeds = torch.tensor([3, 2**62 + 7, 11])
+    indices = torch.tensor([0, 5, 2**20])
+    assert stream_seeds(seeds, indices).tolist() == [
+        (lambda v: v - 2**64 if v >= 2**63 else v)(stream_seed(s, i)) for s, i in zip(seeds.tolist(), indices.tolist())]
+    torch.manual_seed(0)
+    drafts = [[4, 9, 1], [7], [2, 2]]
+    shifts = [2, 0, 1]
+    params = [SamplingParams(temperature=0.9, top_p=0.9), SamplingParams(temperature=0.6, top_k=30),
+              SamplingParams(temperature=0)]
+    base = [SamplingRow(p, seed, [1, 2, 3] + [5] * i, 3) for i, (p, seed) in enumerate(zip(params, (5, 6, 7)))]
+    shifted = [SamplingRow(r.params, r.seed, r.token_ids, r.num_prompt_tokens, index_shift=s) for r, s in zip(base, shifts)]
+    for trial in range(3):
+        logits = torch.randn(sum(len(d) + 1 for d in drafts), VOCAB, device=device) * 3
+        for i, d in enumerate(drafts):  # make the drafts likely enough that some are accepted
+            start = sum(len(x) + 1 for x in drafts[:i])
+            logits[start + torch.arange(len(d)), torch.tensor(d)] += 4.0
+        device_drafts = torch.tensor([d + [-1] * (3 - len(d)) for d in drafts], device=device)
+        for path in ("reference", "kernels"):
+            with kernel_path(path):
+                want = verify_drafts(logits.clone(), shifted, drafts)
+                got = verify_drafts(logits.clone(), base, [[PLACEHOLDER] * len(d) for d in drafts], None,
+                                    device_drafts, torch.tensor(shifts, device=device))
+            assert [t.tolist() for t in got] == [t.tolist() for t in want], (trial, path)

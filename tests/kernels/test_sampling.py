@@ -375,3 +375,25 @@ def test_per_row_kernel_skips_the_passes_of_unused_filters(device):
     every_pass = _sample_per_row(*args, out.clone())
     lean = _sample_per_row(*args, out.clone(), any_top_k=False, any_top_p=False, any_min_p=False)
     assert torch.equal(every_pass, lean)
+
+
+def test_output_indices_the_device_corrects(device):
+    """Rows planned over a verify step in flight: an index shift on the device draws what rows
+    whose own count includes it draw, through the Triton sampler and the PyTorch path."""
+    from metrale.executor.sampler import SamplingRow, sample_tokens
+    from metrale.kernels import kernel_path
+    from metrale.messages.sampling_params import SamplingParams
+
+    torch.manual_seed(1)
+    params = [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=1.2, top_k=40),
+              SamplingParams(temperature=0)]
+    base = [SamplingRow(p, 100 + i, [1, 2] + [3] * i, 2) for i, p in enumerate(params)]
+    shifts = [3, 0, 2]
+    shifted = [SamplingRow(r.params, r.seed, r.token_ids, r.num_prompt_tokens, index_shift=s)
+               for r, s in zip(base, shifts)]
+    logits = torch.randn(3, 300, device=device)
+    for path in ("reference", "kernels"):
+        with kernel_path(path):
+            want = sample_tokens(logits.clone(), shifted).tokens.tolist()
+            got = sample_tokens(logits.clone(), base, index_shift=torch.tensor(shifts, device=device)).tokens.tolist()
+        assert got == want, path

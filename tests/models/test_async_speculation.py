@@ -101,10 +101,26 @@ def test_hybrid_target_keeps_the_state_of_the_last_accepted_draft(hybrid):
     assert_drafted_and_idle(llm)
 
 
+def test_hybrid_target_chunked_preempted_and_resumed_from_checkpoints(hybrid):
+    """No state checkpoint is saved while a request's count assumes drafts in flight accepted;
+    prefix hits resume from the checkpoints its prefill saved."""
+    _, path, _, expected = hybrid("qwen3_next")
+    llm = async_engine(path, 2, max_num_batched_tokens=12, num_kv_blocks=20, block_size=4)
+    assert greedy(llm) == expected
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    assert_drafted_and_idle(llm)
+    llm = async_engine(path, 2, block_size=4)
+    assert greedy(llm) == expected
+    overlapped = count_overlapped_plans(llm)
+    assert greedy(llm) == expected
+    assert llm.llm_engine.scheduler.kv.prefix_hits_total > 0 and overlapped[0] > 0
+    assert_drafted_and_idle(llm)
+
+
 def _outputs(llm: LLM, params: list[SamplingParams]):
     """Per request, per completion: tokens, finish reason, and each token's top logprobs rounded
     (a row's float32 rounding depends on the shape of the step it ran in)."""
-    outs = llm.generate([{"prompt_token_ids": p} for p in spec_prompts()], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in spec_prompts()[:len(params)]], params, use_tqdm=False)
     return [[(o.token_ids, o.finish_reason,
               [[(t, lp.rank, round(lp.logprob, 4)) for t, lp in sorted(top.items())] for top in o.logprobs]
               if o.logprobs else None) for o in r.outputs] for r in outs]
@@ -121,14 +137,41 @@ def test_greedy_requests_with_logprobs_are_planned_over_drafts(dense):
     assert_drafted_and_idle(llm)
 
 
-def test_sampled_and_edited_requests_read_the_step_before(dense):
-    """Their random streams are keyed by the output index and penalties read the tokens, which a
-    verify step in flight leaves unknown: the engine reads such a step before planning the next."""
+def test_sampled_requests_are_planned_over_drafts_with_their_own_streams(dense):
+    """A request drawn at random keys its streams by its output index, which the device
+    corrects by the drafts the step in flight accepted (the keys themselves:
+    tests/executor/test_rejection_sampler.py): seeded requests give the same tokens alone and
+    batched, n = 2 included. (Not the synchronous engine's: near max_tokens, and after a step
+    whose drafts the host had not read, a step verifies another number of drafts, and a
+    position verified as a draft draws otherwise than one sampled plainly.)"""
+    _, path, _, _ = dense("llama")
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
+              SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.5, top_k=20, min_p=0.05, seed=11, max_tokens=12, ignore_eos=True),
+              MTP_GREEDY]
+    llm = async_engine(path, 2)
+    overlapped = count_overlapped_plans(llm)
+    batched = _outputs(llm, params)
+    assert overlapped[0] > 0
+    assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
+    prompts = spec_prompts()
+    alone = [_outputs_of(llm, [prompts[i]], [p])[0] for i, p in enumerate(params)]
+    assert alone == batched
+    assert_drafted_and_idle(llm)
+
+
+def _outputs_of(llm: LLM, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[(o.token_ids, o.finish_reason, None) for o in r.outputs] for r in outs]
+
+
+def test_edited_requests_read_the_step_before(dense):
+    """Penalties read the tokens and min_tokens counts them, which a verify step in flight leaves
+    unknown: the engine reads such a step before planning the next."""
     _, path, _, _ = dense("llama")
     params = [
-        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
-        SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=9, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=5, max_tokens=12, frequency_penalty=0.5, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=12, min_tokens=4, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=12, logit_bias={7: 2.0}, ignore_eos=True),
         MTP_GREEDY,
