@@ -16,11 +16,11 @@ per-request state the runner keeps the state of the last accepted position (per-
 slots, layers/linear_attention/draft_states.py), and a verify step never saves a prefix
 checkpoint.
 
-Under asynchronous scheduling with a drafter in the runner (MTP, DFlash: `drafts_on_device`),
-step N+1 is planned while step N, a verify step, is in flight: a greedy request whose drafts come
-from the device is scheduled again at once, with 1 + k rows whose drafts are PLACEHOLDERs (the
-drafter proposed them in step N, on the device) and a computed count that assumes step N accepted
-all its drafts. The runner moves the rows back on the device by the drafts step N rejected
+Under asynchronous scheduling with a drafter in the runner (MTP, DFlash, and then n-gram too:
+`drafts_on_device`), step N+1 is planned while step N, a verify step, is in flight: a request
+whose logits nothing edits (`plans_over_drafts`) is scheduled again at once, with 1 + k rows
+whose drafts are PLACEHOLDERs (the drafter proposed them in step N, on the device) and a
+computed count that assumes step N accepted all its drafts. The runner moves the rows back on the device by the drafts step N rejected
 (`CachedRequestData.num_unverified_drafts`), and step N's result rolls the count back on the host,
 so both agree once it is read. No torch here.
 
@@ -90,7 +90,8 @@ class Scheduler:
         self._runner_knows: set[str] = set()
         self.num_preemptions_total = 0
         # Asynchronous scheduling with a runner-side drafter (set by the engine): a request whose
-        # verify step is in flight may be planned again, with the drafts that step proposes.
+        # verify step is in flight may be planned again, with the drafts that step proposes
+        # (plans_over_drafts says which).
         self.drafts_on_device = False
 
     # -- requests in and out -------------------------------------------------------------------
