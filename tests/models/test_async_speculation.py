@@ -333,3 +333,32 @@ def test_startup_steps_leave_no_history_rows(ngram_case):
     runner.drop_requests()
     assert not runner.drafter.rows and not runner.requests
     assert ngram_greedy(llm)  # both rows free for the requests
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "ngram"])
+def test_soak_with_aborts_and_preemption_leaves_nothing_behind(dense, drafter):
+    """Random requests (n up to 3, greedy and sampled, stop strings), random aborts, a small pool
+    that preempts, drafts planned over steps in flight: every block, every runner request and
+    every n-gram history row free at idle, no hang."""
+    import importlib.util
+    import os
+
+    from metrale.config.engine_args import EngineArgs
+    from metrale.startup import build_llm_engine
+
+    spec = importlib.util.spec_from_file_location(
+        "engine_soak", os.path.join(os.path.dirname(__file__), "..", "engine", "test_soak.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _, path, _, _ = dense("llama")
+    speculative = {"method": "mtp", "num_speculative_tokens": 2} if drafter == "mtp" else \
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    engine = build_llm_engine(EngineArgs(model=path, dtype="float32", device="cpu", num_kv_blocks=48, block_size=8,
+                                         max_num_batched_tokens=64, async_scheduling=True,
+                                         speculative_config=speculative))
+    assert engine.scheduler.drafts_on_device
+    counts = module.soak(engine, steps=60, seed=3)
+    assert counts["added"] == counts["aborted"] + counts["finished"]
+    assert engine.scheduler.spec_stats.num_drafts > 0
+    if drafter == "ngram":
+        assert not engine.runner.drafter.rows
