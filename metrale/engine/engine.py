@@ -169,9 +169,8 @@ class LLMEngine:
         drafter = self.scheduler.drafter
         if drafter is not None and not getattr(drafter, "runs_in_runner", False):
             if asked:
-                logger.warning("n-gram drafts are proposed on the host from the tokens of the step before, so "
-                               "speculative decoding with them runs its steps synchronously; --async-scheduling "
-                               "is ignored")
+                logger.warning("this engine's drafter proposes on the host, from the tokens of the step before, "
+                               "so speculative decoding runs its steps synchronously; --async-scheduling is ignored")
             return False
         if not self.executor.supports_async:
             if asked:
