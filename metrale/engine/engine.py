@@ -76,8 +76,8 @@ class LLMEngine:
         # The launched step whose result is not applied yet (asynchronous scheduling only).
         self._inflight = None
         self.async_scheduling = self._resolve_async_scheduling(args.async_scheduling)
-        # A runner-side drafter's drafts stay on the device: greedy requests are planned over their
-        # verify step in flight (scheduler.plans_over_drafts).
+        # A runner-side drafter's drafts stay on the device: requests are planned over their verify
+        # step in flight (scheduler.plans_over_drafts says which).
         self.scheduler.drafts_on_device = self.async_scheduling and getattr(self.scheduler.drafter, "runs_in_runner",
                                                                             False)
         logger.info("scheduling: %s", "asynchronous (step N+1 is launched before step N's tokens are read)"
@@ -163,9 +163,9 @@ class LLMEngine:
     def _resolve_async_scheduling(self, asked: bool | None) -> bool:
         """On by default where it pays: on a CUDA device the host plans step N+1 while the GPU
         runs step N; on the CPU the host is the device, and there is nothing to overlap. With
-        speculative decoding, only for a drafter in the runner (MTP, DFlash), whose drafts stay on
-        the device: the n-gram drafter proposes from a request's real last tokens on the host,
-        which a step in flight has not given yet."""
+        speculative decoding, only for a drafter in the runner, whose drafts stay on the device
+        (startup puts the n-gram drafter there too when scheduling asynchronously); a drafter on
+        the host proposes from a request's real last tokens, which a step in flight has not given."""
         drafter = self.scheduler.drafter
         if drafter is not None and not getattr(drafter, "runs_in_runner", False):
             if asked:

@@ -20,9 +20,9 @@ Under asynchronous scheduling with a drafter in the runner (MTP, DFlash, and the
 `drafts_on_device`), step N+1 is planned while step N, a verify step, is in flight: a request
 whose logits nothing edits (`plans_over_drafts`) is scheduled again at once, with 1 + k rows
 whose drafts are PLACEHOLDERs (the drafter proposed them in step N, on the device) and a
-computed count that assumes step N accepted all its drafts. The runner moves the rows back on the device by the drafts step N rejected
-(`CachedRequestData.num_unverified_drafts`), and step N's result rolls the count back on the host,
-so both agree once it is read. No torch here.
+computed count that assumes step N accepted all its drafts. The runner moves the rows back on
+the device by the drafts step N rejected (`CachedRequestData.num_unverified_drafts`), and step
+N's result rolls the count back on the host, so both agree once it is read. No torch here.
 
 Media (images, video) ride the same path under an encoder budget per step
 (`max_num_encoder_tokens`, encoder output rows): a chunk that reaches an item's span for the
@@ -350,7 +350,7 @@ class Scheduler:
             # The drafter's proposals for the step in flight stand for what it proposes next: where
             # the last ones read were none (prompt lookup found no match), a plain row, not a verify
             # step of drafts likely to be padding (each costs a row; docs/speculative.md).
-            if not (self.drafts_on_device and self.plans_over_drafts(request)) or not self._expects_drafts(request):
+            if not self.plans_over_drafts(request) or not self._expects_drafts(request):
                 return []
             drafts = [PLACEHOLDER] * min(room, request.device_drafts_ready)
         else:
@@ -443,7 +443,7 @@ class Scheduler:
         if drafts:
             # Drafts the device held are known now, up to where the drafter's proposal ended
             # (_learn_device_drafts): the padding after it counts as no draft in the metrics.
-            proposed = len(drafts) - drafts.count(PLACEHOLDER) if self.drafts_on_device else len(drafts)
+            proposed = len(drafts) - drafts.count(PLACEHOLDER)
             if proposed:
                 self.spec_stats.record(proposed, min(num_accepted, proposed))
                 if self.draft_length is not None:

@@ -314,20 +314,26 @@ class VerifyGraphs(DecodeGraphs):
         rows[0, real] = host.input_ids
         rows[1, :n * q] = host.positions if full else placed.positions
         rows[2, real] = host.slot_mapping
-        seq_buffers = self._staging(self.seq_buffers)
-        seqs = seq_buffers.numpy()
-        seqs[:] = np.array([[0], [1], [self.runner.padding_slot]])  # padding sequences: no KV read, no owned state
-        seqs[0, :n] = layout.seq_lens_cpu
-        seqs[1, :n] = layout.query_lens_cpu
-        seqs[2, :n] = host.state_slots
         self.row_buffers.copy_(row_buffers, non_blocking=True)
-        self.seq_buffers.copy_(seq_buffers, non_blocking=True)
+        self._copy_sequences_in(batch_inputs, layout.seq_lens_cpu)
         width = layout.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(layout.block_tables)
         self.graphs[batch].replay()
         if full:  # the step's rows are the graph's first n * q
             return Replayed(self.outputs[batch], n * q, n)
         return Replayed(self.outputs[batch], self._upload_index(placed.padded_rows), n)
+
+    def _copy_sequences_in(self, batch_inputs, seq_lens) -> None:
+        """The per-sequence buffers from the host, in one upload: lengths (`seq_lens`), real rows,
+        state slots; padding sequences read no KV and own no state."""
+        layout, n = batch_inputs.layout, batch_inputs.layout.num_seqs
+        staged = self._staging(self.seq_buffers)
+        seqs = staged.numpy()
+        seqs[:] = np.array([[0], [1], [self.runner.padding_slot]])
+        seqs[0, :n] = seq_lens
+        seqs[1, :n] = layout.query_lens_cpu
+        seqs[2, :n] = batch_inputs.state_slots_cpu
+        self.seq_buffers.copy_(staged, non_blocking=True)
 
     def _upload_index(self, values: np.ndarray) -> torch.Tensor:
         index = self._staging(torch.from_numpy(values))
@@ -355,13 +361,8 @@ class VerifyGraphs(DecodeGraphs):
             self.slot_mapping[dummy_d] = -1
         if rows > n * q:
             self.slot_mapping[n * q:rows].fill_(-1)  # padding sequences: no KV write
-        staged = self._staging(self.seq_buffers)
-        seqs = staged.numpy()
-        seqs[:] = np.array([[0], [1], [self.runner.padding_slot]])
-        seqs[1, :n] = lens
-        seqs[2, :n] = batch_inputs.state_slots_cpu
-        self.seq_buffers.copy_(staged, non_blocking=True)
-        self.seq_lens[:n].copy_(layout.seq_lens)
+        self._copy_sequences_in(batch_inputs, 0)
+        self.seq_lens[:n].copy_(layout.seq_lens)  # the lengths the device moved back
         width = layout.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(layout.block_tables)
         self.graphs[batch].replay()

@@ -92,7 +92,6 @@ class HostRows:
     input_ids: np.ndarray  # int64 [num_tokens]
     positions: np.ndarray  # int64 [num_tokens]
     slot_mapping: np.ndarray  # int64 [num_tokens]
-    state_slots: np.ndarray  # int64 [num_seqs]
 
 
 @dataclass
@@ -110,7 +109,6 @@ class BatchInputs:
     sampled_seq_index: list[int] | None = None  # each sampled request's sequence in the batch
     # The host's copy of the inputs; None where some are the device's alone (executor/last_step.py).
     host: HostRows | None = None
-    logits_indices_cpu: np.ndarray | None = None  # logits_indices, on the host
     state_slots_cpu: np.ndarray | None = None  # int64 [num_seqs], on the host
     # Speculative steps and runner-side drafters: executor/step_indices.py's arrays, on the device.
     index: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -383,11 +381,13 @@ class ModelRunner:
             positions = starts[seq_index] + (np.arange(len(input_ids)) - query_start[:-1][seq_index])
         slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
         # A sequence samples when the step reaches its last token (always, planned over drafts).
-        sampled_rows = [i for i, (_, st, _) in enumerate(scheduled) if unverified[i] or seq_lens[i] == len(st.token_ids)]
+        sampled_rows = [i for i, (_, st, _) in enumerate(scheduled)
+                        if unverified[i] or seq_lens[i] == len(st.token_ids)]
         logits_indices = query_start[1:][sampled_rows] - 1
         logits_rows = None
-        num_drafts = np.fromiter((len(plan.draft_token_ids.get(rid, ())) for rid, _, _ in scheduled),
-                                 dtype=np.int64, count=num_seqs)
+        num_drafts = (np.fromiter((len(plan.draft_token_ids.get(rid, ())) for rid, _, _ in scheduled),
+                                  dtype=np.int64, count=num_seqs) if plan.draft_token_ids
+                      else np.zeros(num_seqs, dtype=np.int64))
         if plan.draft_token_ids:  # a request with k drafts samples its last 1 + k positions
             counts = (1 + num_drafts[sampled_rows]).tolist()
             logits_indices = np.concatenate([np.arange(end - n + 1, end + 1) for end, n in zip(logits_indices, counts)])
@@ -435,8 +435,8 @@ class ModelRunner:
             layout.drafts = DraftStates(dev["num_drafts"], dev["draft_rows"], dev["drafted"], self.max_drafts,
                                         bool(starts.min() > 0 and (query_lens == 1 + num_drafts).all()))
         batch = BatchInputs(dev["input_ids"], layout, dev["logits_indices"], [scheduled[i][0] for i in sampled_rows],
-                            logits_rows, host=None if from_device else HostRows(input_ids, positions, slots, state_slots),
-                            logits_indices_cpu=logits_indices, state_slots_cpu=state_slots,
+                            logits_rows, host=None if from_device else HostRows(input_ids, positions, slots),
+                            state_slots_cpu=state_slots,
                             index={name: dev[name] for name in indices}, request_ids=[rid for rid, _, _ in scheduled],
                             index_shift=index_shift)
         if self.uses_mrope:
@@ -452,8 +452,8 @@ class ModelRunner:
         """Where sampled requests that draw at random were planned over their verify step in
         flight: per sampled request, its row among the last step's accepted counts, or past them
         (no shift); {} where none was."""
-        moved = [i for i in sampled_rows if unverified[i] and not scheduled[i][1].sampling_params.greedy]
-        if not moved:
+        if not unverified.any() or not any(unverified[i] and not scheduled[i][1].sampling_params.greedy
+                                           for i in sampled_rows):
             return {}
         rows, past = self.last_step.rows, self.last_step.accepted.shape[0]
         return {"shift_sources": np.fromiter((rows[scheduled[i][0]] if unverified[i] else past for i in sampled_rows),

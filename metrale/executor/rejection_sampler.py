@@ -35,12 +35,10 @@ kernel (kernels/rejection_sampling.py) after the sampler's own penalties and fil
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
-from metrale.executor.sampler import SamplingRow, _apply_penalties, _filter, stream_seed, stream_seeds
+from metrale.executor.sampler import SamplingRow, _apply_penalties, _filter, shifted_rows, stream_seed, stream_seeds
 from metrale.kernels import use_triton
 from metrale.kernels.rejection_sampling import counter_uniforms_rows, rejection_sample_triton
 
@@ -92,8 +90,7 @@ def _read_device_parts(rows: list[SamplingRow], drafts: list[list[int]], device_
         values = device_drafts.tolist()
         drafts = [values[i][:len(d)] for i, d in enumerate(drafts)]
     if index_shift is not None:
-        rows = [dataclasses.replace(row, index_shift=row.index_shift + shift)
-                for row, shift in zip(rows, index_shift.tolist())]
+        rows = shifted_rows(rows, index_shift)
     return drafts, rows
 
 
@@ -164,7 +161,8 @@ def verify_drafts_triton(logits: torch.Tensor, rows: list[SamplingRow], drafts: 
     device = logits.device
     counts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
     starts = np.concatenate([[0], np.cumsum(counts + 1)[:-1]]).astype(np.int64)
-    max_drafts = max(int(counts.max()) if len(counts) else 0, device_drafts.shape[1] if device_drafts is not None else 0)
+    max_drafts = max(int(counts.max()) if len(counts) else 0,
+                     device_drafts.shape[1] if device_drafts is not None else 0)
     sampled = np.fromiter((i for i, r in enumerate(flat) if not r.params.greedy), dtype=np.int64)
     # Row r of request i at position j: its draft (or -1 at the bonus position), its stream index.
     request = np.repeat(np.arange(len(drafts)), counts + 1)

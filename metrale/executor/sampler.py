@@ -71,6 +71,12 @@ class SamplingRow:
         return self.token_ids[self.num_prompt_tokens:]
 
 
+def shifted_rows(rows: list[SamplingRow], index_shift: torch.Tensor) -> list[SamplingRow]:
+    """The rows with the device's index shift read back and added (one wait for the device)."""
+    return [dataclasses.replace(row, index_shift=row.index_shift + shift)
+            for row, shift in zip(rows, index_shift.tolist())]
+
+
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, row in enumerate(rows):
         p = row.params
@@ -237,7 +243,7 @@ def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow],
     else:
         tokens = logits.argmax(dim=-1)  # the first maximum, as of the fp32 values
     if random_rows and index_shift is not None:  # the reference reads the shift (waits for the device)
-        rows = [dataclasses.replace(r, index_shift=r.index_shift + shift) for r, shift in zip(rows, index_shift.tolist())]
+        rows = shifted_rows(rows, index_shift)
     if random_rows:
         subset = [rows[i] for i in random_rows]
         index = torch.tensor(random_rows, device=logits.device)

@@ -43,9 +43,6 @@ class DeviceLengths(Sequence):
     def __iter__(self):
         return iter(self._values())
 
-    def __eq__(self, other) -> bool:
-        return list(self) == list(other)
-
 
 @dataclass
 class DraftStates:

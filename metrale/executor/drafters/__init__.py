@@ -40,7 +40,7 @@ def build_drafter(spec: SpeculativeConfig | None, model: torch.nn.Module, max_mo
 def drafter_cached_layers(spec: SpeculativeConfig | None, model: torch.nn.Module) -> list:
     """The stateful modules the drafter `spec` asks for will own, from a (meta-device) build of
     the model: the memory plan counts their caches before the weights load."""
-    if not runs_in_runner(spec) or spec.method == "ngram":
+    if not runs_in_runner(spec):
         return []
     if spec.method == "dflash":
         from metrale.executor.drafters.dflash import dflash_cached_layers

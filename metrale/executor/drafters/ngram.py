@@ -23,6 +23,7 @@ import torch
 
 from metrale.config.speculative_config import ngram_sha256
 from metrale.executor.drafters.base import DraftInputs, DraftOutput, RunnerDrafter
+from metrale.executor.sampler import column
 from metrale.kernels.ngram_match import ngram_drafts
 from metrale.messages.scheduler_output import PLACEHOLDER
 
@@ -62,8 +63,7 @@ class NgramRunnerDrafter(RunnerDrafter):
         row = self._free.pop()
         self.rows[request_id] = row
         known = token_ids.index(PLACEHOLDER) if PLACEHOLDER in token_ids else len(token_ids)
-        self.history[row, :known].copy_(_pinned(token_ids[:known], torch.int32, self.history.is_cuda),
-                                        non_blocking=True)
+        self.history[row, :known] = column(token_ids[:known], torch.int32, self.history.device)
 
     def forget(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)
@@ -72,8 +72,7 @@ class NgramRunnerDrafter(RunnerDrafter):
 
     def propose(self, inputs: DraftInputs) -> DraftOutput:
         layout, device = inputs.layout, inputs.input_ids.device
-        rows = _pinned([self.rows[rid] for rid in inputs.seq_request_ids], torch.int64,
-                       self.history.is_cuda).to(device, non_blocking=True)
+        rows = column([self.rows[rid] for rid in inputs.seq_request_ids], torch.int64, device)
         num_rows = inputs.input_ids.shape[0]
         starts = layout.query_start_loc.long()
         row_seqs = torch.repeat_interleave(torch.arange(starts.shape[0] - 1, device=device), starts[1:] - starts[:-1],
@@ -86,8 +85,3 @@ class NgramRunnerDrafter(RunnerDrafter):
         self.history[sampled, after] = inputs.sampled_tokens.to(torch.int32)
         return DraftOutput(ngram_drafts(self.history, sampled, after + 1, self.k, self.min_n, self.max_n))
 
-
-def _pinned(values: list[int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A host tensor to copy to the device without waiting for it (pinned on CUDA)."""
-    host = torch.tensor(values, dtype=dtype)
-    return host.pin_memory() if pin else host
