@@ -326,18 +326,16 @@ class Scheduler:
 
     def _propose(self, request: Request, budget: int, num_drafts: int) -> list[int]:
         """Up to `num_drafts` drafts for a running request at its decode position, within the
-        budget and its limits. Requests that follow a grammar are not drafted (a step gives them
-        one token and one bitmask, docs/speculative.md); those that want logprobs are, and get
-        one TokenLogprobs per token the verify step gives them. With a step in flight that
-        samples for the request (asynchronous scheduling), only drafts on the device qualify:
-        PLACEHOLDERs for those its drafter proposes there."""
+        budget and its limits. Requests that follow a grammar are drafted (the runner masks each
+        of their verify rows by the grammar's state after the drafts before it); those that want
+        logprobs are too, and get one TokenLogprobs per token the verify step gives them. With a
+        step in flight that samples for the request (asynchronous scheduling), only drafts on the
+        device qualify: PLACEHOLDERs for those its drafter proposes there."""
         unverified = request.num_unverified_drafts
         if (self.drafter is None or num_drafts <= 0
                 or request.num_computed_tokens - unverified != request.num_tokens - 1):
             return []
         params = request.sampling_params
-        if params.structured_outputs is not None:
-            return []
         # A verify step gives up to k + 1 tokens: never more than max_tokens or the context allow,
         # whatever the steps in flight accept.
         end = request.num_tokens_if_accepted

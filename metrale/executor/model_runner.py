@@ -636,7 +636,8 @@ class ModelRunner:
         num_accepted, spec_tokens = verify_drafts(
             spec_logits, [rows[i] for i in spec], [drafts[ids[i]] for i in spec],
             [self._draft_q(ids[i], len(drafts[ids[i]])) for i in spec], device_drafts,
-            None if shift is None else shift if not plain else shift[batch.index["spec_positions"]])
+            None if shift is None else shift if not plain else shift[batch.index["spec_positions"]],
+            self._token_bitmask([ids[i] for i in spec], [states[i] for i in spec], [drafts[ids[i]] for i in spec]))
         if plain:
             tokens[batch.index["spec_positions"]] = spec_tokens
         else:
@@ -695,11 +696,13 @@ class ModelRunner:
         padded = torch.cat([batch.input_ids, batch.input_ids.new_full((1,), -1)])  # draft_index's past-the-end: -1
         return padded[batch.index["draft_index"]]
 
-    def _token_bitmask(self, request_ids: list[str], states: list[RunnerRequest]):
+    def _token_bitmask(self, request_ids: list[str], states: list[RunnerRequest],
+                       drafts: list[list[int]] | None = None):
         """The constrained rows' token bitmask on the device, or None. Filled on the host while
-        the device runs the forward pass launched before it."""
+        the device runs the forward pass launched before it. `drafts`: a verify step's, one
+        list per request (its 1 + k logits rows; GrammarMatchers.bitmask)."""
         if not self.matchers:
             return None
         mask = self.matchers.bitmask([(rid, st.token_ids, st.num_prompt_tokens)
-                                      for rid, st in zip(request_ids, states)])
+                                      for rid, st in zip(request_ids, states)], drafts)
         return mask.to(self.device) if mask is not None else None

@@ -41,6 +41,7 @@ import torch
 from metrale.executor.sampler import SamplingRow, _apply_penalties, _filter, shifted_rows, stream_seed, stream_seeds
 from metrale.kernels import use_triton
 from metrale.kernels.rejection_sampling import counter_uniforms_rows, rejection_sample_triton
+from metrale.kernels.token_bitmask import apply_token_bitmask
 
 # Mixed into the seed of the accept tests' stream, so it is independent of the draws' stream.
 _ACCEPT_SALT = 0x5EC0DEC0DE
@@ -64,15 +65,21 @@ def _streams(device, seed: int, first_index: int, count: int, vocab: int, salt: 
 
 def verify_drafts(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
                   draft_probs: list[torch.Tensor | None] | None = None, device_drafts: torch.Tensor | None = None,
-                  index_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  index_shift: torch.Tensor | None = None,
+                  token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [sum(1 + len(d) for d in drafts), vocab], each request's positions in order.
     `draft_probs`: per request, the distributions its drafts were drawn from ([len(d), vocab]),
     or None for point masses. A step planned over a verify step in flight (asynchronous
     scheduling) has requests whose drafts, or whose output index, only the device knows:
     `device_drafts` [len(rows), most drafts] (-1 past a request's) where the lists hold
     PLACEHOLDERs, `index_shift` int64 [len(rows)] the outputs each row's count lacks; their
-    logits nothing edits. Returns (number of drafts accepted, the token after them), int64
-    [len(rows)] each, on the logits' device."""
+    logits nothing edits. `token_bitmask`: (logits row indices, packed int32 bitmask) of
+    constrained requests' positions (structured/matchers.py, each row masked by the grammar's
+    state after the drafts before it), applied in place first: the target distribution is the
+    constrained one, so a draft the grammar refuses is rejected. Returns (number of drafts
+    accepted, the token after them), int64 [len(rows)] each, on the logits' device."""
+    if token_bitmask is not None:
+        apply_token_bitmask(logits, token_bitmask[1], token_bitmask[0])
     if draft_probs is not None and all(q is None for q in draft_probs):
         draft_probs = None
     if draft_probs is None and all(r.params.greedy and not r.params.changes_logits for r in rows):

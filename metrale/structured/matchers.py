@@ -6,8 +6,14 @@ engine reads a step's tokens before it launches a step that samples a constraine
 then fills the request's row of the step's token bitmask. So a request resumed after
 preemption gets a fresh matcher that catches up on its outputs so far, an aborted or finished
 one is dropped with the runner's state, and each of the n completions of a request, being its
-own engine request, has its own matcher. Speculative decoding would need matchers that roll
-back rejected drafts (xgrammar's `rollback`); met has none yet.
+own engine request, has its own matcher.
+
+A verify step (speculative decoding) gives a drafted request 1 + k logits rows: row j is masked by
+the grammar's state after the request's outputs and its first j drafts. The matcher accepts the
+drafts to fill those rows and rolls them back at once (xgrammar's `rollback`), so it only ever
+holds outputs; the accepted drafts reach it as outputs next time. A draft the grammar refuses is
+refused by the row before it too (its bit is clear there), so no draft past it can be accepted:
+the rows after it repeat that row's mask.
 
 The matcher's stop tokens are the request's end-of-sequence ids: the bitmask allows them only
 where the grammar's output is complete, and once complete nothing else, so a constrained
@@ -81,21 +87,33 @@ class GrammarMatchers:
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
-    def bitmask(self, rows: list[tuple[str, list[int], int]]) -> TokenBitmask | None:
+    def bitmask(self, rows: list[tuple[str, list[int], int]],
+                drafts: list[list[int]] | None = None) -> TokenBitmask | None:
         """The token bitmask of a step's sampled rows (request id, its tokens, its prompt length),
-        for those that have a matcher; None when none has."""
-        constrained = [(i, self._matchers[rid], tokens, num_prompt)
+        for those that have a matcher; None when none has. `drafts` (a verify step): each row's
+        drafts, known on the host; a row with k of them spans 1 + k logits rows, in row order,
+        and TokenBitmask.rows are then indices into those logits rows."""
+        drafts = drafts if drafts is not None else [[] for _ in rows]
+        starts = np.concatenate([[0], np.cumsum([1 + len(d) for d in drafts])[:-1]]).astype(int).tolist()
+        constrained = [(rid, starts[i], self._matchers[rid], tokens, num_prompt, drafts[i])
                        for i, (rid, tokens, num_prompt) in enumerate(rows) if rid in self._matchers]
         if not constrained:
             return None
         import xgrammar as xgr
 
         words = -(-self.grammars.vocab_size // 32)
-        bitmask = torch.zeros((len(constrained), words), dtype=torch.int32, pin_memory=self.pin_memory)
+        num_rows = sum(1 + len(d) for *_, d in constrained)
+        bitmask = torch.zeros((num_rows, words), dtype=torch.int32, pin_memory=self.pin_memory)
+        logit_rows, stops = [], []
         live, live_rows = [], []
-        for j, (i, entry, tokens, num_prompt) in enumerate(constrained):
-            self._catch_up(rows[i][0], entry, tokens, num_prompt)
-            if entry.matcher.is_terminated():  # after a stop token: only stop tokens again
+        for rid, i, entry, tokens, num_prompt, request_drafts in constrained:
+            j = len(logit_rows)
+            logit_rows += range(i, i + 1 + len(request_drafts))
+            stops += [entry.stop_token_ids] * (1 + len(request_drafts))
+            self._catch_up(rid, entry, tokens, num_prompt)
+            if request_drafts:
+                self._fill_over_drafts(entry, request_drafts, bitmask, j)
+            elif entry.matcher.is_terminated():  # after a stop token: only stop tokens again
                 _allow(bitmask[j], entry.stop_token_ids)
             else:
                 live.append(entry.matcher)
@@ -109,8 +127,31 @@ class GrammarMatchers:
                 matcher.fill_next_token_bitmask(bitmask, j)
         # A grammar that reached a dead end (allows no token at all) may still stop.
         for j in np.flatnonzero(~bitmask.numpy().any(axis=1)).tolist():
-            _allow(bitmask[j], constrained[j][1].stop_token_ids)
-        return TokenBitmask([i for i, *_ in constrained], bitmask)
+            _allow(bitmask[j], stops[j])
+        return TokenBitmask(logit_rows, bitmask)
+
+    @staticmethod
+    def _fill_over_drafts(entry: _Matcher, drafts: list[int], bitmask: torch.Tensor, first: int) -> None:
+        """Rows first .. first + len(drafts) of `bitmask`: the grammar's state after each prefix of
+        the drafts; the matcher is rolled back to where it started."""
+        matcher, depth = entry.matcher, 0
+        for j, draft in enumerate([*drafts, None]):
+            row = first + j
+            if matcher.is_terminated():
+                _allow(bitmask[row], entry.stop_token_ids)
+            else:
+                matcher.fill_next_token_bitmask(bitmask, row)
+            if draft is None:
+                break
+            if draft == PLACEHOLDER:
+                raise RuntimeError("a constrained request's drafts must be known on the host")
+            if matcher.is_terminated() or not matcher.accept_token(draft):
+                # The grammar refuses this draft, so row `row` refuses it: nothing after it is read.
+                bitmask[row + 1:first + len(drafts) + 1] = bitmask[row]
+                break
+            depth += 1
+        if depth:
+            matcher.rollback(depth)
 
     def _catch_up(self, request_id: str, entry: _Matcher, tokens: list[int], num_prompt: int) -> None:
         matcher = entry.matcher

@@ -120,19 +120,19 @@ def test_rejected_tokens_never_reach_the_prefix_cache():
     assert s.kv.lookup(same).num_tokens == 20  # the accepted continuation is cached
 
 
-def test_no_drafts_without_a_match_or_under_a_grammar_and_drafts_with_logprobs():
+def test_no_drafts_without_a_match_and_drafts_with_logprobs_or_under_a_grammar():
     from metrale.messages.structured_outputs import StructuredOutputsParams
 
     s = make_scheduler(max_num_batched_tokens=64)
     s.add_request(make_request("a", [1, 2, 3, 4]))  # samples 9: no earlier 9 to follow
     s.add_request(make_request("b", REPEAT[:-1], logprobs=2))  # drafted: each token gets its logprobs
     s.add_request(Request("c", REPEAT[:-1], SamplingParams(max_tokens=16, structured_outputs=StructuredOutputsParams(
-        regex="[0-9]+")), seed=0))  # would draft, but follows a grammar
+        regex="[0-9]+")), seed=0))  # drafted: the runner masks its rows over the drafts
     plan, _ = step(s, lambda rid, d: (0, 9 if rid == "a" else 8))
     assert plan.num_scheduled_tokens == {"a": 4, "b": 15, "c": 15}
     plan, _ = step(s, lambda rid, d: (0, 10))
-    assert plan.draft_token_ids == {"b": [5, 6, 7]}
-    assert plan.num_scheduled_tokens == {"a": 1, "b": 4, "c": 1}
+    assert plan.draft_token_ids == {"b": [5, 6, 7], "c": [5, 6, 7]}
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 4, "c": 4}
 
 
 def test_preemption_with_drafts_recomputes_only_accepted_tokens():

@@ -62,3 +62,25 @@ def test_constrained_generation_with_graphs_and_async_scheduling(checkpoint_fact
     synchronous = LLM(path, dtype="float32", device="cuda", num_kv_blocks=256, max_num_seqs=32,
                       async_scheduling=False)
     assert [o.text for o in _generate(synchronous, constrained)] == [o.text for o in outputs[1:-1]]
+
+
+def test_drafted_constrained_requests_on_verify_graphs(checkpoint_factory):
+    """Prompt-lookup drafts for constrained requests: their verify rows masked by the kernel over
+    the drafts, on the verify graphs; greedy tokens equal the plain engine's, drafts accepted."""
+    path = checkpoint_factory("llama")
+    regex = r"(cat-[0-9]{2} ){3,6}"
+    prompt = "cat-12 cat-34 cat-12 cat-56 cat-12 cat-34"
+    batch = [(prompt, SamplingParams(temperature=0, max_tokens=80, structured_outputs=spec))
+             for spec in (Spec(regex=regex), Spec(json=SCHEMA))]
+    batch.insert(1, (prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)))
+    plain = LLM(path, dtype="float32", device="cuda", num_kv_blocks=256, max_num_seqs=8)
+    expected = [o.token_ids for o in _generate(plain, batch)]
+    del plain
+    for async_scheduling in (False, True):
+        llm = LLM(path, dtype="float32", device="cuda", num_kv_blocks=256, max_num_seqs=8,
+                  async_scheduling=async_scheduling,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                      "prompt_lookup_max": 3})
+        assert llm.llm_engine.runner.graphs is not None
+        assert [o.token_ids for o in _generate(llm, batch)] == expected
+        assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0

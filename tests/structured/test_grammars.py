@@ -149,6 +149,35 @@ def test_a_fresh_matcher_catches_up(grammars, tokenizer):
         matchers.bitmask([("r", [9, a, b, a, b, PLACEHOLDER], 1)])
 
 
+def test_a_verify_steps_rows_are_masked_over_the_drafts_and_the_matcher_rolls_back(grammars, tokenizer):
+    """Row j of a drafted request: the grammar's state after its outputs and its first j drafts.
+    A draft the grammar refuses ends what is read: the rows after it repeat the row before it."""
+    eos, vocab = tokenizer.eos_token_id, len(tokenizer)
+    spec = Spec(regex="(ab)+c")
+    a, b, c = tokenizer.convert_tokens_to_ids(["a", "b", "c"])
+    matchers, fresh = GrammarMatchers(grammars), GrammarMatchers(grammars)
+    matchers.add("r", SamplingParams(structured_outputs=spec, eos_token_ids=[eos]))
+    tokens = [9, 9, a]  # prompt [9, 9], output [a]
+    drafts = [b, a, a, b]  # b and a follow the grammar, the second a does not
+    mask = matchers.bitmask([("free", [1, 2], 2), ("r", tokens, 2)], [[3], drafts])
+    assert mask.rows == [2, 3, 4, 5, 6]  # after the free request's two logits rows
+    expected = []
+    for j in range(3):  # rows 0..2: after drafts[:j], as a fresh matcher sees those outputs
+        fresh.add(f"f{j}", SamplingParams(structured_outputs=spec, eos_token_ids=[eos]))
+        expected.append(fresh.bitmask([(f"f{j}", tokens + drafts[:j], 2)]).bitmask[0])
+    assert [_allowed(row, vocab) for row in expected] == [{b}, {a, c}, {b}]
+    for j in range(3):
+        assert torch.equal(mask.bitmask[j], expected[j])
+    assert torch.equal(mask.bitmask[3], expected[2]) and torch.equal(mask.bitmask[4], expected[2])
+    # The drafts were rolled back: the matcher holds the outputs only.
+    assert _allowed(matchers.bitmask([("r", tokens, 2)]).bitmask[0], vocab) == {b}
+    # A draft that ends the output: the rows past the stop allow only stops.
+    mask = matchers.bitmask([("r", tokens + [b], 2)], [[c, eos, a]])
+    assert [_allowed(row, vocab) for row in mask.bitmask] == [{a, c}, {eos}, {eos}, {eos}]
+    with pytest.raises(RuntimeError, match="known on the host"):
+        matchers.bitmask([("r", tokens, 2)], [[PLACEHOLDER]])
+
+
 def test_batched_fill_matches_one_by_one(grammars, tokenizer):
     eos = tokenizer.eos_token_id
     spec = Spec(json={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
