@@ -117,3 +117,32 @@ def test_async_scheduling_plans_verify_steps_over_drafts_on_the_device(family, t
         assert from_device, "no verify step planned over drafts in flight replayed a graph"
     kv = engine.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_sampled_requests_planned_over_drafts_draw_the_same_alone_and_batched(tmp_path):
+    """Seeded sampled requests are planned over their verify step in flight too: their output
+    index is corrected on the device (BatchInputs.index_shift) and their stream keys hashed there
+    (the Triton rejection kernel and sampler), so each draws the same tokens alone as batched.
+    (Not the synchronous engine's tokens: tests/models/test_async_speculation.py says why.)"""
+    base = make_checkpoint(str(tmp_path / "base"), "qwen3", num_hidden_layers=2, initializer_range=SPEC_INITIALIZER_RANGE)
+    path = str(tmp_path / "with_mtp")
+    write_mtp_layer(base, path, passthrough=True, **DENSE)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=7 + i, max_tokens=16, ignore_eos=True)
+              for i in range(len(prompts()))]
+    llm = LLM(path, dtype="float32", device="cuda", num_kv_blocks=256, max_num_seqs=16,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    engine, overlapped, schedule = llm.llm_engine, [0], llm.llm_engine.scheduler.schedule
+    assert engine.async_scheduling and engine.scheduler.drafts_on_device
+
+    def counting():
+        plan, ended = schedule()
+        overlapped[0] += sum(1 for c in plan.cached_requests if c.num_unverified_drafts)
+        return plan, ended
+
+    engine.scheduler.schedule = counting
+    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts()], params,
+                                                            use_tqdm=False)]
+    assert overlapped[0] > 0 and engine.scheduler.spec_stats.num_accepted_tokens > 0
+    alone = [llm.generate([{"prompt_token_ids": p}], [q], use_tqdm=False)[0].outputs[0].token_ids
+             for p, q in zip(prompts(), params)]
+    assert alone == batched
