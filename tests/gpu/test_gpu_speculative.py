@@ -32,7 +32,11 @@ def prompts():
 
 
 def generate(path, **kw):
-    llm = LLM(path, dtype="float32", device="cuda", num_kv_blocks=512, max_num_seqs=16, **kw)
+    # Verify graphs keep batch x (1 + k) rows within max_num_seqs (cuda_graphs.verify_capture_sizes):
+    # 32 gives graphs of up to 8 sequences of 4 rows, so all 7 prompts drafting 3 tokens fit one.
+    # (At 16 they fit 4: a step of 7 sequences ran eagerly whenever one of them had 3 drafts, and
+    # the tiny DeepSeek-V3's steps, under asynchronous scheduling, always had one.)
+    llm = LLM(path, dtype="float32", device="cuda", num_kv_blocks=512, max_num_seqs=32, **kw)
     replays = []
     if llm.llm_engine.runner.verify_graphs is not None:
         graphs = llm.llm_engine.runner.verify_graphs
