@@ -230,8 +230,10 @@ def test_compile_past_the_timeout_is_400_while_others_flow(slow_compile_server):
 
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory):
-    """The built-in demo model, a trained model whose free text is English about Python."""
-    server = ServerProcess(None, str(tmp_path_factory.mktemp("demo") / "serve.log")).wait_ready()
+    """The built-in demo model, a trained model whose free text is English about Python, drafting
+    with its trained MTP layer (`--speculative`): constrained requests are drafted too, each
+    verify row masked by the grammar's state after the drafts before it."""
+    server = ServerProcess(None, str(tmp_path_factory.mktemp("demo") / "serve.log"), "--speculative").wait_ready()
     yield server
     assert server.stop() == 0, server.log()
 
@@ -259,3 +261,7 @@ def test_demo_model_answers_in_the_schema_and_calls_a_required_tool(demo_server)
     call = choice.message.tool_calls[0]
     assert call.function.name == "lookup"
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    # Every request above was constrained, and MTP drafts for them were accepted.
+    metrics = httpx.get(demo_server.url + "/metrics").text
+    accepted = re.search(r"^met:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)$", metrics, re.M)
+    assert accepted and float(accepted.group(1)) > 0, metrics[-2000:]
