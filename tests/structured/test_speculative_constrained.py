@@ -93,3 +93,20 @@ def test_sampled_constrained_outputs_follow_their_grammars(checkpoint):
     # Seeded: the same tokens alone as batched.
     alone = _generate(llm, batch[:1])[0]
     assert alone.token_ids == outputs[0].token_ids
+
+
+def test_two_ranks_draft_constrained_requests_as_one_rank_does(checkpoint, plain):
+    """Every rank samples, so every rank masks its verify rows over the same drafts: tp=2 gives
+    one rank's greedy tokens (= the plain engine's)."""
+    from parallel_cases import free_port
+
+    batch = _batch(temperature=0)
+    subset = [0, 3, 5, 9]  # a regex, the free request, a JSON schema, a choice
+    llm = LLM(checkpoint, dtype="float32", device="cpu", tp_size=2, master_port=free_port(), num_kv_blocks=256,
+              max_model_len=512, speculative_config=NGRAM)
+    try:
+        outputs = _generate(llm, [batch[i] for i in subset])
+        assert [o.token_ids for o in outputs] == [plain[i] for i in subset]
+        assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
+    finally:
+        llm.close()
