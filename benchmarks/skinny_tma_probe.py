@@ -1,6 +1,7 @@
 """A probe: the skinny GEMM (kernels/skinny_gemm.py) with its weight and x tiles loaded by TMA
-(Hopper tensor descriptors) instead of cp.async pointer loads, against the library kernel, the
-one-row GEMV and cuBLAS on Qwen3-8B's projections at the row counts of batch-1 verify steps.
+(Hopper tensor descriptors: `tma=True`, the MET_SKINNY_TMA switch) over a grid of launch
+configs, against the default kernel (cp.async pointer loads), the one-row GEMV and cuBLAS on
+Qwen3-8B's projections at the row counts of batch-1 verify steps.
 The question it answers: does TMA close the gap between the skinny GEMM at 2..5 rows and the
 GEMV at one row (docs/benchmarks.md: o_proj 11.8 against 9.6 us, qkv 15.2 against 13.3)?
 Timing as benchmarks/skinny_gemm_bench.py (CUDA-graph replays, weights streamed from HBM).
@@ -18,9 +19,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,39 +27,16 @@ SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "down": (4096, 12288), "g
 # (block_n, block_k, num_warps, num_stages)
 GRID = [(16, 256, 2, 4), (32, 256, 4, 4), (16, 256, 4, 6), (32, 128, 4, 6), (64, 128, 4, 4),
         (16, 128, 2, 8), (32, 256, 4, 6), (64, 256, 4, 3), (128, 128, 4, 3)]
-BLOCK_M = 16
-
-
-@triton.jit
-def _skinny_tma_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       NUM_STAGES: tl.constexpr, WIDEN: tl.constexpr):
-    n0 = tl.program_id(0) * BLOCK_N
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        w = w_desc.load([n0, k0])  # rows past N and columns past K arrive as zeros
-        x = x_desc.load([0, k0])  # rows past M arrive as zeros
-        if WIDEN:  # the CPU interpreter's 16-bit tl.dot gives garbage: widen first
-            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)))
-        else:
-            acc += tl.dot(w, tl.trans(x))
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
 
 
 def skinny_tma(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int,
                num_stages: int) -> torch.Tensor:
-    (M, K), N = x.shape, w.shape[0]
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    x_desc = TensorDescriptor.from_tensor(x, [BLOCK_M, block_k])
-    w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
-    _skinny_tma_kernel[(triton.cdiv(N, block_n),)](
-        x_desc, w_desc, y, M, N, K, y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        NUM_STAGES=num_stages, WIDEN=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=num_warps, num_stages=num_stages)
-    return y
+    """The library's TMA kernel (kernels/skinny_gemm.py, `tma=True`) at one launch config."""
+    from metrale.kernels.skinny_gemm import _tma_ready, skinny_gemm_triton
+
+    assert _tma_ready(x, w), "these operands would not take the TMA kernel"
+    return skinny_gemm_triton(x, w, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                              tma=True)
 
 
 def check_small(device: str) -> None:
@@ -91,9 +66,6 @@ def main() -> int:
     from metrale.kernels.gemv import gemv_triton
     from metrale.kernels.skinny_gemm import skinny_config, skinny_gemm_triton
 
-    def alloc(size: int, alignment: int, stream):  # device-side descriptors' scratch (unused by host ones)
-        return torch.empty(size, device="cuda", dtype=torch.int8)
-    triton.set_allocator(alloc)
     check_small("cuda")
     dtype = torch.bfloat16
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
