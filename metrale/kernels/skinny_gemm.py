@@ -40,7 +40,7 @@ _BLOCK_M = 16  # x's rows, padded: the smallest tl.dot operand
 PDL_LAUNCH = False
 # Whether the skinny GEMM loads its tiles with TMA (Hopper tensor descriptors: `_skinny_tma_kernel`)
 # rather than cp.async pointer loads, where the operands allow it (`_tma_ready`). A switch for an
-# A/B on the GPU (MET_SKINNY_TMA=1, read at import; benchmarks/skinny_tma_probe.py); off by default.
+# A/B on the GPU (MET_SKINNY_TMA=1, read at import; benchmarks/skinny_gemm_bench.py --tma); off by default.
 TMA_LOADS = os.environ.get("MET_SKINNY_TMA", "0") == "1"
 
 
