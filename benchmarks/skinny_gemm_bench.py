@@ -50,7 +50,8 @@ def main() -> int:
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name(0)}: copy {bw / 1e12:.2f} TB/s, bf16, {args.calls} calls per graph\n")
     loads = "TMA" if args.tma else "pointer"
-    print(f"| shape | M | floor us | cuBLAS | GEMV | skinny default | best skinny, {loads} loads (config) | best/floor |")
+    print(f"| shape | M | floor us | cuBLAS | GEMV | skinny default | best skinny, {loads} loads (config) "
+          "| best/floor |")
     print("|---|---|---|---|---|---|---|---|")
     for name, (N, K) in SHAPES.items():
         wbytes = N * K * 2
