@@ -54,18 +54,20 @@ def _batch():
 
 
 def _check(spec: Spec, text: str) -> None:
+    """`text` follows `spec`: its own schema, regex or choices; an EBNF grammar is GRAMMAR."""
     if spec.json is not None:
-        jsonschema.validate(json.loads(text), SCHEMA)
+        jsonschema.validate(json.loads(text), spec.json)
         # The schema's strings hold no whitespace: every run of it lies between tokens.
         assert max(map(len, re.findall(r"\s+", text)), default=0) <= JSON_MAX_WHITESPACE, text
     elif spec.json_object:  # disable_any_whitespace: only the separators' single spaces, outside strings
         assert isinstance(json.loads(text), dict)
         assert not re.search(r"[\t\r\n]|  ", re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)), text
     elif spec.regex is not None:
-        assert re.fullmatch(REGEX, text), text
+        assert re.fullmatch(spec.regex, text), text
     elif spec.choice is not None:
-        assert text in CHOICES
+        assert text in spec.choice
     else:
+        assert spec.grammar == GRAMMAR
         tree = ast.parse(text, mode="eval")
         allowed = (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub)
         assert all(isinstance(node, allowed) for node in ast.walk(tree)), text

@@ -4,16 +4,11 @@ refuses is rejected. Greedy constrained outputs equal the engine's without specu
 prompt-lookup drafts accepted, synchronous and asynchronous (the drafter in the runner);
 sampled ones follow their grammars."""
 
-import json
-import re
-
 import pytest
 
 from metrale import LLM, SamplingParams
 from metrale.messages.structured_outputs import StructuredOutputsParams as Spec
-from test_constrained_generation import SCHEMA
-
-jsonschema = pytest.importorskip("jsonschema")
+from test_constrained_generation import GRAMMAR, SCHEMA, _check, _generate
 
 pytest.importorskip("xgrammar")
 
@@ -22,9 +17,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 # grammar forces, and the model's picks where the history repeats.
 REGEX = r"(cat-[0-9]{2} ){3,6}"
 CHOICES = ["red", "green", "blue sky"]
-KINDS = [Spec(regex=REGEX), Spec(json=SCHEMA), Spec(choice=CHOICES), Spec(grammar='root ::= ("ab" | "abc")+ "."')]
+KINDS = [Spec(regex=REGEX), Spec(json=SCHEMA), Spec(choice=CHOICES), Spec(grammar=GRAMMAR)]
 PROMPTS = ["cat-12 cat-34 cat-12 cat-56 cat-12 cat-34", '{"name": "ab", "age": 7, "tags": ["a", "b"]}',
-           "red green blue sky red", "ab abc ab abc ab."]
+           "red green blue sky red", "1+2+(3-4)+1+2+(3-4)"]
 FREE = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
@@ -32,20 +27,6 @@ def _batch(**params):
     """Each kind after each prompt, and a free request between them."""
     batch = [(p, SamplingParams(max_tokens=80, structured_outputs=spec, **params)) for spec in KINDS for p in PROMPTS]
     return batch[:3] + [(PROMPTS[0], FREE)] + batch[3:]
-
-
-def _check(spec: Spec, text: str) -> None:
-    if spec.json is not None:
-        jsonschema.validate(json.loads(text), SCHEMA)
-    elif spec.choice is not None:
-        assert text in CHOICES
-    else:
-        assert re.fullmatch(REGEX if spec.regex is not None else r"(ab|abc)+\.", text), text
-
-
-def _generate(llm, batch):
-    outs = llm.generate([p for p, _ in batch], [params for _, params in batch], use_tqdm=False)
-    return [o.outputs[0] for o in outs]
 
 
 @pytest.fixture(scope="module")
