@@ -9,6 +9,10 @@ kernel's `tma=True`, the MET_SKINNY_TMA switch), the "skinny default" column sti
 the A/B of the two loads.
 
     PYTHONPATH=. python3 benchmarks/skinny_gemm_bench.py [--m 2,3,5,8,16] [--default-only] [--tma]
+        [--configs 16/512/4/1,32/256/4/2] [--each]
+
+`--configs` replaces the grid (block_n/block_k/num_warps/num_stages each); `--each` also prints
+every config's time, not only the best.
 """
 
 from __future__ import annotations
@@ -38,7 +42,15 @@ def main() -> int:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--default-only", action="store_true")
     parser.add_argument("--tma", action="store_true", help="the grid's configs with TMA loads")
+    parser.add_argument("--configs", default=None, help="block_n/block_k/num_warps/num_stages,... instead of the grid")
+    parser.add_argument("--each", action="store_true", help="print every config's time")
     args = parser.parse_args()
+    try:
+        grid = GRID if args.configs is None else [tuple(int(v) for v in c.split("/")) for c in args.configs.split(",")]
+    except ValueError:
+        parser.error(f"--configs: expected block_n/block_k/num_warps/num_stages,..., got {args.configs!r}")
+    if any(len(c) != 4 for c in grid):
+        parser.error("--configs: each entry is block_n/block_k/num_warps/num_stages")
     if not torch.cuda.is_available():
         print("skinny_gemm_bench.py needs a CUDA GPU; nothing measured.", file=sys.stderr)
         return 1
@@ -68,10 +80,10 @@ def main() -> int:
             default = skinny_config(M, N, K, dtype)
             results = {}
             if M >= 2:
-                grid = [default] + ([] if args.default_only else [SkinnyConfig(*c) for c in GRID])
+                configs = [default] + ([] if args.default_only else [SkinnyConfig(*c) for c in grid])
                 assert not args.tma or _tma_ready(x, weights[0]), "these operands would not take the TMA kernel"
                 # (config, TMA loads): the default by pointers always; the grid by the loads asked for
-                for c, tma in dict.fromkeys([(default, False)] + [(c, args.tma) for c in grid]):
+                for c, tma in dict.fromkeys([(default, False)] + [(c, args.tma) for c in configs]):
                     kw = dict(c._asdict(), tma=tma)
                     try:
                         out = skinny_gemm_triton(x, weights[0], **kw).float()
@@ -81,6 +93,10 @@ def main() -> int:
                     except Exception as e:  # a config that does not compile or fit: skipped, said so
                         print(f"  {name} M={M} {tuple(c)} tma={tma}: {type(e).__name__}: {str(e)[:80]}",
                               file=sys.stderr)
+            if args.each:
+                for (c, tma), t in sorted(results.items(), key=lambda item: item[1]):
+                    print(f"    {name} M={M} {'/'.join(map(str, c))} {'TMA' if tma else 'pointer'}: {t:.2f} us "
+                          f"({floor / t:.0%} of the floor)", flush=True)
             asked = {key: t for key, t in results.items() if key[1] == args.tma}
             best = min(asked, key=asked.get) if asked else None
             best_s = f"{results[best]:.2f} ({'/'.join(map(str, best[0]))})" if best else "-"

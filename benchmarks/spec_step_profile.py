@@ -15,6 +15,11 @@ engine's default scheduling, speculative), then the profile's top functions.
 against plain steps (k = 0) of one request, under cProfile, met's own functions (model code left
 out) by the host time each adds per step, largest first: the host's share of
 `met benchmark spec-cost-table`'s verify / plain ratio.
+
+`--forced-ks 1,4 --device-timeline` (CUDA): the same steps under torch.profiler's kernel trace
+instead, per step: the GPU's busy time and its idle gaps, kernels launched inside CUDA graphs and
+outside them (count and time), and the kernels whose time differs most from a plain step's: the
+device's share of that ratio.
 """
 
 import argparse
@@ -103,6 +108,54 @@ def _met_functions(profile, steps: int) -> dict[str, tuple[float, float]]:
             if "metrale/" in path and "/models/" not in path and "/layers/" not in path}
 
 
+def _kernel_summary(trace: dict, steps: int) -> dict:
+    """A chrome trace's GPU work per step: busy and idle microseconds (idle: gaps between the
+    first kernel's start and the last one's end), kernels launched by a graph or one by one, and
+    {kernel name: us}."""
+    graph_launches = {e["args"].get("correlation") for e in trace["traceEvents"]
+                      if e.get("cat") == "cuda_runtime" and e.get("name") == "cudaGraphLaunch"}
+    kernels = sorted((e for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    busy, end, by_name = 0.0, None, {}
+    counts = {"graph": [0, 0.0], "eager": [0, 0.0]}
+    for e in kernels:
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        busy += max(0.0, stop - max(start, end)) if end is not None else e["dur"]
+        end = stop if end is None else max(end, stop)
+        kind = "graph" if e["args"].get("correlation") in graph_launches else "eager"
+        counts[kind][0] += 1
+        counts[kind][1] += e["dur"]
+        by_name[e["name"][:80]] = by_name.get(e["name"][:80], 0.0) + e["dur"]
+    span = (end - kernels[0]["ts"]) if kernels else 0.0
+    return {"busy": busy / steps, "idle": (span - busy) / steps,
+            **{f"{kind}_{what}": v[i] / steps for kind, v in counts.items() for i, what in enumerate(("n", "us"))},
+            "by_name": {name: us / steps for name, us in by_name.items()}}
+
+
+def _device_timeline(engine, steps: int) -> dict:
+    import tempfile
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        return _kernel_summary(json.load(open(f.name)), steps)
+
+
+def _print_device_diff(k: int, plain: dict, verify: dict, rows: int) -> None:
+    print(f"k={k}: per step, plain / verify (us): busy {plain['busy']:.1f} / {verify['busy']:.1f} "
+          f"({verify['busy'] - plain['busy']:+.1f}), idle {plain['idle']:.1f} / {verify['idle']:.1f} "
+          f"({verify['idle'] - plain['idle']:+.1f}); graph kernels {plain['graph_n']:.0f} / {verify['graph_n']:.0f} "
+          f"({plain['graph_us']:.1f} / {verify['graph_us']:.1f} us), eager kernels {plain['eager_n']:.0f} / "
+          f"{verify['eager_n']:.0f} ({plain['eager_us']:.1f} / {verify['eager_us']:.1f} us)")
+    a, b = plain["by_name"], verify["by_name"]
+    for name in sorted(set(a) | set(b), key=lambda n: abs(b.get(n, 0.0) - a.get(n, 0.0)), reverse=True)[:rows]:
+        print(f"  {a.get(name, 0.0):9.1f} {b.get(name, 0.0):9.1f} {b.get(name, 0.0) - a.get(name, 0.0):+9.1f}  {name}")
+
+
 def forced_draft_diff(args, ks: list[int], steps: int = 40, **engine_kwargs):
     from metrale.bench.spec_cost_table import ForcedDrafter
 
@@ -118,6 +171,9 @@ def forced_draft_diff(args, ks: list[int], steps: int = 40, **engine_kwargs):
         scheduler.drafter = ForcedDrafter(k, 0)
         for _ in range(5):  # the prefill, then warm steps of this k
             engine.step()
+        if args.device_timeline:
+            results[k] = _device_timeline(engine, steps)
+            continue
         profile = cProfile.Profile()
         begin = time.perf_counter()
         profile.enable()
@@ -125,6 +181,10 @@ def forced_draft_diff(args, ks: list[int], steps: int = 40, **engine_kwargs):
             engine.step()
         profile.disable()
         results[k] = (time.perf_counter() - begin) * 1e3 / steps, _met_functions(profile, steps)
+    if args.device_timeline:
+        for k in ks:
+            _print_device_diff(k, results[0], results[k], args.rows)
+        return
     plain_ms, plain = results[0]
     for k in ks:
         wall_ms, verify = results[k]
@@ -148,6 +208,8 @@ def main():
     parser.add_argument("--speculative-only", action="store_true", help="skip the two plain runs")
     parser.add_argument("--forced-ks", default=None,
                         help="comma-separated draft counts: host time by function against k = 0 instead")
+    parser.add_argument("--device-timeline", action="store_true",
+                        help="with --forced-ks on CUDA: the kernel trace's time per step against k = 0")
     args = parser.parse_args()
     extra = {"hf_overrides": args.hf_overrides} if args.hf_overrides else {}
     if args.forced_ks:
