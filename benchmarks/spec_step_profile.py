@@ -139,7 +139,8 @@ def _device_timeline(engine, steps: int) -> dict:
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         return _kernel_summary(json.load(open(f.name)), steps)
