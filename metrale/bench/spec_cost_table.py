@@ -258,9 +258,11 @@ def run(args: argparse.Namespace, llm_factory) -> dict:
     runner = engine.runner
     recorded = {**provenance(engine_args), "context_len": args.context_len, "warmup": args.warmup,
                 "repetitions": args.repetitions, "async_scheduling": engine.async_scheduling,
-                # The graphs a step replays follow from these (verify graphs hold 1 + k rows per
-                # sequence for k = num_speculative_tokens, batches up to max_num_seqs rows in all).
+                # The graphs a step replays follow from these (verify graphs for 2 .. 1 + k rows per
+                # sequence, k = num_speculative_tokens, batches up to max_num_seqs sequences and
+                # verify_graph_rows rows in all).
                 "num_speculative_tokens": spec_k(engine_args), "max_num_seqs": engine.scheduler.max_num_seqs,
+                "verify_graph_rows": getattr(getattr(runner, "verify_graphs", None), "max_rows", None),
                 "drafter_in_runner": getattr(engine.scheduler.drafter, "runs_in_runner", False),
                 "decode_graphs": getattr(runner, "graphs", None) is not None,
                 "verify_graphs": getattr(runner, "verify_graphs", None) is not None,

@@ -17,8 +17,10 @@ longest sequence, padding the shorter ones. The layout says so
 (BatchLayout.uniform_query_len, real_query_lens), and only backends that read it
 (`supports_verify_graphs`: the Triton attention and MLA backends, through their multi-query decode)
 take part: a model with another kind of cache (Gated DeltaNet state, DSA's indexer) verifies
-eagerly. Verify graphs are captured per batch size up to max_num_seqs rows in all (the logits the
-memory plan reserves), into the decode graphs' pool.
+eagerly. Verify graphs are captured per batch size up to max_num_seqs sequences and
+`verify_row_limit` rows in all (at least max_num_seqs, at most 512 unless max_num_seqs is more,
+and never more than a step's token budget), into the decode graphs' pool; the memory plan reserves
+logits for max_num_seqs x (1 + k) rows where the engine speculates (startup/memory.py).
 
 A verify graph also computes the greedy rule on its drafts (the drafts are its own input ids:
 rejection_sampler.verify_greedy_padded), so a step whose rows are all greedy, with nothing that
@@ -61,10 +63,23 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted({min(s, max_num_seqs) for s in sizes} | {max_num_seqs})
 
 
-def verify_capture_sizes(max_num_seqs: int, num_speculative_tokens: int) -> list[int]:
-    """The verify graphs' batch sizes: at most max_num_seqs rows of (1 + k) each, at least batch 1."""
+# The most rows a verify graph holds where max_num_seqs is smaller: vLLM's default CUDA-graph
+# capture limit, in tokens. Larger verify steps are rare (the cost model drafts less as the batch
+# grows) and run eagerly.
+VERIFY_GRAPH_ROWS = 512
+
+
+def verify_row_limit(max_num_seqs: int, step_token_budget: int) -> int:
+    """The most rows (sequences x (1 + k)) a verify graph holds: max_num_seqs, or more up to
+    VERIFY_GRAPH_ROWS, within the step's token budget (no step has more rows)."""
+    return max(max_num_seqs, min(VERIFY_GRAPH_ROWS, step_token_budget))
+
+
+def verify_capture_sizes(max_num_seqs: int, num_speculative_tokens: int, max_rows: int) -> list[int]:
+    """The verify graphs' batch sizes: the decode graphs' sizes whose sequences of (1 + k) rows
+    each take at most max_rows rows, at least batch 1."""
     rows = 1 + num_speculative_tokens
-    return [s for s in capture_sizes(max_num_seqs) if s * rows <= max_num_seqs] or [1]
+    return [s for s in capture_sizes(max_num_seqs) if s * rows <= max_rows] or [1]
 
 
 @dataclass
@@ -437,11 +452,12 @@ class VerifyGraphSet:
     k does not pay for k (what lets the cost model choose a smaller k at larger batches)."""
 
     def __init__(self, runner, max_num_seqs: int, num_speculative_tokens: int, max_blocks_per_seq: int,
-                 max_model_len: int):
-        self.by_rows = {1 + k: VerifyGraphs(runner, verify_capture_sizes(max_num_seqs, k), max_blocks_per_seq,
-                                            max_model_len, 1 + k)
+                 max_model_len: int, max_rows: int):
+        self.by_rows = {1 + k: VerifyGraphs(runner, verify_capture_sizes(max_num_seqs, k, max_rows),
+                                            max_blocks_per_seq, max_model_len, 1 + k)
                         for k in range(1, num_speculative_tokens + 1)}
         self.query_len = 1 + num_speculative_tokens  # the most rows a sequence may have
+        self.max_rows = max_rows
 
     def capture(self, pool=None):
         for graphs in reversed(self.by_rows.values()):  # the largest rows first: the rest fit in its pool

@@ -182,9 +182,10 @@ def _size_caches(args, plan, runner, tokenizer, parallel, forward: str, log: Sta
     calibrate_fp8_scales(args, runner, tokenizer, plan)
     if forward == "graphs":
         spec = args.speculative_decoding
+        budget = args.step_token_budget(runner.device.type)
         runner.capture_cuda_graphs(plan.max_num_seqs, plan.max_model_len,
                                    spec.num_speculative_tokens if spec is not None else 0,
-                                   args.step_token_budget(runner.device.type) if args.prefill_graphs else 0)
+                                   budget if args.prefill_graphs else 0, budget)
     state = f", {runner.caches.num_slots} state slots ({plan.state_cache_bytes / 2**20:.0f} MiB)" \
         if plan.state_bytes_per_slot else ""
     log.phase("kv cache", f"{plan.num_kv_blocks} blocks x {args.block_size} tokens "

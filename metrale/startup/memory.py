@@ -39,6 +39,15 @@ def apply_lm_head_dtype(model: torch.nn.Module, args: EngineArgs) -> None:
         model.lm_head.set_dtype(LM_HEAD_DTYPES[args.lm_head_dtype])
 
 
+def sampled_rows(args: EngineArgs) -> int:
+    """The most rows a step samples (each with a vocabulary of logits): one per sequence, and
+    1 + k per sequence in a verify step where the engine speculates. Capped by the step's token
+    budget where the activation estimate reads it."""
+    max_seqs = 1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs)
+    spec = args.speculative_decoding
+    return max_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+
+
 def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
                 device_total: int | None = None) -> MemoryPlan:
     """The plan before loading: exact weights and cache sizes from a meta-device build, estimated
@@ -49,8 +58,7 @@ def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
     layout = CacheLayout.of(meta_model, CacheConfig.from_args(args, config.dtype),
                             drafter_cached_layers(args.speculative_decoding, meta_model))
     activation = estimate_activation_bytes(config.hf_config, config.dtype, args.step_token_budget(device.type),
-                                           1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs),
-                                           config.vocab_size)
+                                           sampled_rows(args), config.vocab_size)
     max_seqs = 1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs)
     weights = (parameter_bytes(meta_model) + drafter_weight_bytes(args.speculative_decoding, meta_model)
                + drafter_buffer_bytes(args.speculative_decoding, args.schedules_asynchronously(device.type),
@@ -111,9 +119,8 @@ def encoder_reserve(args: EngineArgs, config: ModelConfig, meta_model, device: t
 
 def measure_on_cuda(plan: MemoryPlan, runner: ModelRunner, args: EngineArgs, device: torch.device) -> None:
     """Replace the estimates with what the loaded model really uses."""
-    rows = 1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs)
-    plan.activation_reserve_bytes = profile_activation_bytes(runner, args.step_token_budget(device.type), rows,
-                                                             plan.max_model_len)
+    plan.activation_reserve_bytes = profile_activation_bytes(runner, args.step_token_budget(device.type),
+                                                             sampled_rows(args), plan.max_model_len)
     plan.activation_measured = True
     free, total = torch.cuda.mem_get_info(device)
     # Everything this process and others hold now, beyond our weights: context, workspaces.

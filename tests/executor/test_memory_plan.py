@@ -97,3 +97,17 @@ def test_met_memory_plan_per_rank_when_split(capsys):
     from metrale.distributed.parallel_state import is_single_rank
 
     assert is_single_rank()  # the planning left no parallel state behind
+
+
+def test_speculation_reserves_logits_for_every_verify_row():
+    """A verify step samples 1 + k rows per sequence, each with a vocabulary of float32 logits and
+    the sampler's copies: the activation reserve counts max_num_seqs x (1 + k) rows (within the
+    step's token budget), so an eager verify step of that many rows fits as the graphs do."""
+    from metrale.startup.memory import sampled_rows
+
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert sampled_rows(EngineArgs(model="Qwen3-8B", max_num_seqs=16)) == 16
+    assert sampled_rows(EngineArgs(model="Qwen3-8B", max_num_seqs=16, speculative_config=ngram)) == 64
+    plain = plan_for("Qwen3-8B", max_num_seqs=16).activation_reserve_bytes
+    drafting = plan_for("Qwen3-8B", max_num_seqs=16, speculative_config=ngram).activation_reserve_bytes
+    assert drafting - plain == 4 * 4 * (64 - 16) * 151936  # fp32 logits and three working copies per row

@@ -12,18 +12,28 @@ import torch
 
 from metrale import LLM, SamplingParams
 from metrale.executor.cuda_graphs import (VerifyGraphs, VerifyGraphSet, capture_sizes, fits_verify_graph,
-                                          verify_capture_sizes, verify_rows)
+                                          verify_capture_sizes, verify_row_limit, verify_rows)
 from metrale.kernels import HAS_TRITON, interpret_mode
 from metrale.layers.cache_backend import get_backend
 from mla_checkpoints import make_mla_checkpoint
 from qwen_mtp_checkpoints import DENSE, write_mtp_layer
 
 
-def test_verify_capture_sizes_keep_the_rows_within_max_num_seqs():
-    assert verify_capture_sizes(64, 3) == [1, 2, 4, 8, 16]
-    assert verify_capture_sizes(4, 4) == [1]  # at least batch 1
-    assert all(s * 5 <= 256 for s in verify_capture_sizes(256, 4)) and verify_capture_sizes(256, 4)[-1] == 48
-    assert set(verify_capture_sizes(256, 1)) <= set(capture_sizes(256))
+def test_verify_capture_sizes_keep_the_rows_within_the_row_limit():
+    assert verify_capture_sizes(64, 3, max_rows=64) == [1, 2, 4, 8, 16]
+    assert verify_capture_sizes(4, 4, max_rows=4) == [1]  # at least batch 1
+    assert all(s * 5 <= 256 for s in verify_capture_sizes(256, 4, 256)) and verify_capture_sizes(256, 4, 256)[-1] == 48
+    assert set(verify_capture_sizes(256, 1, 512)) <= set(capture_sizes(256))
+    # Never more sequences than the decode graphs hold, whatever the rows allow.
+    assert verify_capture_sizes(16, 3, max_rows=512) == capture_sizes(16)
+
+
+def test_verify_row_limit():
+    # A small max_num_seqs gets graphs for all its sequences (up to 512 rows, the step's budget).
+    assert verify_row_limit(16, 8192) == 512
+    assert verify_row_limit(16, 48) == 48  # no step has more rows than its token budget
+    assert verify_row_limit(1024, 8192) == 1024  # at least max_num_seqs, as the decode graphs
+    assert verify_capture_sizes(16, 3, verify_row_limit(16, 8192)) == capture_sizes(16)
 
 
 def test_verify_rows_place_each_sequence_at_q_rows_and_dummies_repeat_the_last_position():
@@ -53,7 +63,8 @@ def _layout(query_lens, seq_lens):
 
 def test_a_step_takes_the_smallest_verify_graph_that_holds_it():
     runner = SimpleNamespace(model=None, device=torch.device("cpu"), padding_slot=0)
-    graphs = VerifyGraphSet(runner, max_num_seqs=16, num_speculative_tokens=3, max_blocks_per_seq=4, max_model_len=64)
+    graphs = VerifyGraphSet(runner, max_num_seqs=16, num_speculative_tokens=3, max_blocks_per_seq=4, max_model_len=64,
+                            max_rows=16)
     assert sorted(graphs.by_rows) == [2, 3, 4] and graphs.query_len == 4
     assert graphs.by_rows[2].sizes == [1, 2, 4, 8] and graphs.by_rows[4].sizes == [1, 2, 4]
     assert graphs._pick(_layout([2, 1, 2], [9, 5, 7])) is graphs.by_rows[2]  # one draft at most: 2 rows

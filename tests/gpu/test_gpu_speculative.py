@@ -32,11 +32,11 @@ def prompts():
 
 
 def generate(path, **kw):
-    # Verify graphs keep batch x (1 + k) rows within max_num_seqs (cuda_graphs.verify_capture_sizes):
-    # 32 gives graphs of up to 8 sequences of 4 rows, so all 7 prompts drafting 3 tokens fit one.
-    # (At 16 they fit 4: a step of 7 sequences ran eagerly whenever one of them had 3 drafts, and
-    # the tiny DeepSeek-V3's steps, under asynchronous scheduling, always had one.)
-    llm = LLM(path, dtype="float32", device="cuda", num_kv_blocks=512, max_num_seqs=32, **kw)
+    # Verify graphs hold up to max_num_seqs sequences, within cuda_graphs.verify_row_limit rows (at
+    # least 512 here): at 8, all 7 prompts drafting 3 tokens (28 rows) fit one. (When the rows were
+    # capped at max_num_seqs, graphs at 16 held 4 sequences of 4 rows, and the tiny DeepSeek-V3's
+    # steps, under asynchronous scheduling, always had a sequence with 3 drafts: none replayed.)
+    llm = LLM(path, dtype="float32", device="cuda", num_kv_blocks=512, max_num_seqs=8, **kw)
     replays = []
     if llm.llm_engine.runner.verify_graphs is not None:
         graphs = llm.llm_engine.runner.verify_graphs
