@@ -4,11 +4,9 @@ steps at small batch (M = batch x (1 + k)). Each figure: the median over replays
 of back-to-back calls that cycle through enough weight copies to overflow L2 (every call streams
 its weight from HBM, as a decoder layer does), per call; bandwidth as a share of a measured
 device-to-device copy. Prints a markdown table and, per shape and M, the fastest kernel and
-skinny config; writes no files. `--tma`: the skinny configs load their tiles by TMA (the
-kernel's `tma=True`, the MET_SKINNY_TMA switch), the "skinny default" column still by pointers:
-the A/B of the two loads.
+skinny config; writes no files.
 
-    PYTHONPATH=. python3 benchmarks/skinny_gemm_bench.py [--m 2,3,5,8,16] [--default-only] [--tma]
+    PYTHONPATH=. python3 benchmarks/skinny_gemm_bench.py [--m 2,3,5,8,16] [--default-only]
         [--configs 16/512/4/1,32/256/4/2] [--each]
 
 `--configs` replaces the grid (block_n/block_k/num_warps/num_stages each); `--each` also prints
@@ -41,7 +39,6 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--default-only", action="store_true")
-    parser.add_argument("--tma", action="store_true", help="the grid's configs with TMA loads")
     parser.add_argument("--configs", default=None, help="block_n/block_k/num_warps/num_stages,... instead of the grid")
     parser.add_argument("--each", action="store_true", help="print every config's time")
     args = parser.parse_args()
@@ -55,15 +52,13 @@ def main() -> int:
         print("skinny_gemm_bench.py needs a CUDA GPU; nothing measured.", file=sys.stderr)
         return 1
     from metrale.kernels.gemv import gemv_triton
-    from metrale.kernels.skinny_gemm import SkinnyConfig, _tma_ready, skinny_config, skinny_gemm_triton
+    from metrale.kernels.skinny_gemm import SkinnyConfig, skinny_config, skinny_gemm_triton
 
     dtype = torch.bfloat16
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name(0)}: copy {bw / 1e12:.2f} TB/s, bf16, {args.calls} calls per graph\n")
-    loads = "TMA" if args.tma else "pointer"
-    print(f"| shape | M | floor us | cuBLAS | GEMV | skinny default | best skinny, {loads} loads (config) "
-          "| best/floor |")
+    print("| shape | M | floor us | cuBLAS | GEMV | skinny default | best skinny (config) | best/floor |")
     print("|---|---|---|---|---|---|---|---|")
     for name, (N, K) in SHAPES.items():
         wbytes = N * K * 2
@@ -81,26 +76,22 @@ def main() -> int:
             results = {}
             if M >= 2:
                 configs = [default] + ([] if args.default_only else [SkinnyConfig(*c) for c in grid])
-                assert not args.tma or _tma_ready(x, weights[0]), "these operands would not take the TMA kernel"
-                # (config, TMA loads): the default by pointers always; the grid by the loads asked for
-                for c, tma in dict.fromkeys([(default, False)] + [(c, args.tma) for c in configs]):
-                    kw = dict(c._asdict(), tma=tma)
+                for c in dict.fromkeys(configs):
+                    kw = c._asdict()
                     try:
                         out = skinny_gemm_triton(x, weights[0], **kw).float()
                         torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
-                        results[c, tma] = time_graph(lambda i, kw=kw: skinny_gemm_triton(x, weights[i % copies], **kw),
-                                                     args.calls, args.replays)
+                        results[c] = time_graph(lambda i, kw=kw: skinny_gemm_triton(x, weights[i % copies], **kw),
+                                                args.calls, args.replays)
                     except Exception as e:  # a config that does not compile or fit: skipped, said so
-                        print(f"  {name} M={M} {tuple(c)} tma={tma}: {type(e).__name__}: {str(e)[:80]}",
-                              file=sys.stderr)
+                        print(f"  {name} M={M} {tuple(c)}: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
             if args.each:
-                for (c, tma), t in sorted(results.items(), key=lambda item: item[1]):
-                    print(f"    {name} M={M} {'/'.join(map(str, c))} {'TMA' if tma else 'pointer'}: {t:.2f} us "
-                          f"({floor / t:.0%} of the floor)", flush=True)
-            asked = {key: t for key, t in results.items() if key[1] == args.tma}
-            best = min(asked, key=asked.get) if asked else None
-            best_s = f"{results[best]:.2f} ({'/'.join(map(str, best[0]))})" if best else "-"
-            default_s = f"{results[default, False]:.2f}" if (default, False) in results else "-"
+                for c, t in sorted(results.items(), key=lambda item: item[1]):
+                    print(f"    {name} M={M} {'/'.join(map(str, c))}: {t:.2f} us ({floor / t:.0%} of the floor)",
+                          flush=True)
+            best = min(results, key=results.get) if results else None
+            best_s = f"{results[best]:.2f} ({'/'.join(map(str, best))})" if best else "-"
+            default_s = f"{results[default]:.2f}" if default in results else "-"
             overall = min([cublas, gemv if M <= 4 else float("inf")] + ([results[best]] if best else []))
             print(f"| {name} {N}x{K} | {M} | {floor:.1f} | {cublas:.2f} | {gemv:.2f} | {default_s} | {best_s} | "
                   f"{floor / overall:.0%} |", flush=True)

@@ -129,14 +129,50 @@ def _kernel_summary(trace: dict, steps: int) -> dict:
     span = (end - kernels[0]["ts"]) if kernels else 0.0
     return {"busy": busy / steps, "idle": (span - busy) / steps,
             **{f"{kind}_{what}": v[i] / steps for kind, v in counts.items() for i, what in enumerate(("n", "us"))},
-            "by_name": {name: us / steps for name, us in by_name.items()}}
+            "by_name": {name: us / steps for name, us in by_name.items()},
+            "by_site": _launch_sites(trace, kernels, graph_launches, steps)}
+
+
+def _launch_sites(trace: dict, kernels: list, graph_launches: set, steps: int) -> dict[str, list[float]]:
+    """{met's innermost Python function that launched a kernel (or replayed its graph):
+    [eager kernels, their us, the GPU's idle us just before them]} per step, from the trace's
+    Python events (the profiler's with_stack)."""
+    import bisect
+
+    frames = {}  # tid -> sorted [(start, end, name)] of met's Python functions
+    for e in trace["traceEvents"]:
+        if e.get("cat") == "python_function" and "metrale/" in e.get("name", ""):
+            frames.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
+    starts = {tid: [f[0] for f in fs] for tid, fs in frames.items() if not fs.sort()}
+    launches = {e["args"].get("correlation"): e for e in trace["traceEvents"] if e.get("cat") == "cuda_runtime"}
+
+    def site(launch) -> str:
+        fs, ts = frames.get(launch["tid"], []), launch["ts"]
+        i = bisect.bisect_right(starts.get(launch["tid"], []), ts) - 1
+        while i >= 0 and fs[i][1] < ts:  # a sibling that ended before: walk back to an enclosing frame
+            i -= 1
+        return fs[i][2].split("metrale/")[-1] if i >= 0 else "(outside met)"
+
+    out, end = {}, None
+    for e in kernels:
+        launch = launches.get(e["args"].get("correlation"))
+        name = site(launch) if launch is not None else "(no launch event)"
+        graph = e["args"].get("correlation") in graph_launches
+        row = out.setdefault(("graph " if graph else "") + name, [0.0, 0.0, 0.0])
+        if not graph:
+            row[0] += 1 / steps
+            row[1] += e["dur"] / steps
+        if end is not None and e["ts"] > end:
+            row[2] += (e["ts"] - end) / steps
+        end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
+    return out
 
 
 def _device_timeline(engine, steps: int) -> dict:
     import tempfile
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+                                            torch.profiler.ProfilerActivity.CUDA], with_stack=True) as prof:
         for _ in range(steps):
             engine.step()
         if torch.cuda.is_available():
@@ -155,6 +191,14 @@ def _print_device_diff(k: int, plain: dict, verify: dict, rows: int) -> None:
     a, b = plain["by_name"], verify["by_name"]
     for name in sorted(set(a) | set(b), key=lambda n: abs(b.get(n, 0.0) - a.get(n, 0.0)), reverse=True)[:rows]:
         print(f"  {a.get(name, 0.0):9.1f} {b.get(name, 0.0):9.1f} {b.get(name, 0.0) - a.get(name, 0.0):+9.1f}  {name}")
+    print("  by launch site, plain / verify per step: eager kernels, their us, the idle us before them")
+    a, b = plain["by_site"], verify["by_site"]
+    zero = [0.0, 0.0, 0.0]
+    for name in sorted(set(a) | set(b), key=lambda n: sum(b.get(n, zero)[1:]) - sum(a.get(n, zero)[1:]),
+                       reverse=True)[:rows]:
+        x, y = a.get(name, zero), b.get(name, zero)
+        print(f"  {x[0]:5.1f} / {y[0]:5.1f} kernels  {x[1]:7.1f} / {y[1]:7.1f} us  idle {x[2]:7.1f} / {y[2]:7.1f} us  "
+              f"{name}")
 
 
 def forced_draft_diff(args, ks: list[int], steps: int = 40, **engine_kwargs):

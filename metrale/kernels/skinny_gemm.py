@@ -20,7 +20,6 @@ traffic. Weight rows past N re-read row N-1 (loads stay unmasked) and are droppe
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -38,11 +37,6 @@ _BLOCK_M = 16  # x's rows, padded: the smallest tl.dot operand
 # trigger of the next kernel, and 1.133 / 1.140 / 1.189x on cuBLAS. (Loading the first weight chunk
 # before the PDL wait gained nothing either, `9cda78b`.)
 PDL_LAUNCH = False
-# Whether the skinny GEMM loads its tiles with TMA (Hopper tensor descriptors: `_skinny_tma_kernel`)
-# rather than cp.async pointer loads, where the operands allow it (`_tma_ready`). A switch for an
-# A/B on the GPU (MET_SKINNY_TMA=1, read at import; benchmarks/skinny_gemm_bench.py --tma); off by default.
-TMA_LOADS = os.environ.get("MET_SKINNY_TMA", "0") == "1"
-
 
 class SkinnyConfig(NamedTuple):
     block_n: int
@@ -53,14 +47,16 @@ class SkinnyConfig(NamedTuple):
 
 def skinny_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> SkinnyConfig:
     """Default launch config, from an H200 run of benchmarks/skinny_gemm_bench.py (`f788f90`, bf16,
-    M = 2..16, us per call against cuBLAS; docs/benchmarks.md): 256-element chunks and a 4-deep
-    cp.async ring everywhere; 16 weight rows per program with 2 warps for N = 6144 (qkv: 15.2 vs
+    M = 2..16, us per call against cuBLAS; docs/benchmarks.md): 256-element chunks everywhere;
+    16 weight rows per program with 2 warps and a 4-deep cp.async ring for N = 6144 (qkv: 15.2 vs
     15.6), 32 rows with 4 warps otherwise (o_proj 4096 x 4096: 11.8 vs 13.1; down 4096 x 12288:
-    27.8 vs 30.2; gate_up 24576 x 4096: 50.0, cuBLAS's 49.8)."""
+    27.8 vs 30.2; gate_up 24576 x 4096: 50.0, cuBLAS's 49.8). Where N <= 4096 the grid has about
+    one program per SM, and each keeps a 6-deep ring in flight instead of 4 (an H100 sweep at
+    `55c450b`: o_proj 13.66 against 13.94 us, down 35.75 against 37.09, at M = 5)."""
     block_k = min(256 if dtype.itemsize <= 2 else 128, max(16, triton.next_power_of_2(K)))
     if 4096 < N <= 8192:
         return SkinnyConfig(block_n=16, block_k=block_k, num_warps=2, num_stages=4)
-    return SkinnyConfig(block_n=32, block_k=block_k, num_warps=4, num_stages=4)
+    return SkinnyConfig(block_n=32, block_k=block_k, num_warps=4, num_stages=6 if N <= 4096 else 4)
 
 
 @triton.jit
@@ -112,51 +108,11 @@ def _skinny_kernel(
     _store(acc, b_ptr, y_ptr, offs_n, M, N, stride_ym, HAS_BIAS, BLOCK_M)
 
 
-@triton.jit
-def _skinny_tma_kernel(
-    x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_ym,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-):
-    """_skinny_kernel with TMA loads: the descriptors zero-fill rows past M and N and columns
-    past K, so no load is masked."""
-    n0 = tl.program_id(0) * BLOCK_N
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        acc = _accumulate(acc, w_desc.load([n0, k0]), tl.trans(x_desc.load([0, k0])), IEEE, INTERPRET)
-    _store(acc, b_ptr, y_ptr, n0 + tl.arange(0, BLOCK_N), M, N, stride_ym, HAS_BIAS, BLOCK_M)
-
-
-def _tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """TMA's operand rules: 16-byte aligned bases and row strides (and a Hopper GPU, or the
-    interpreter)."""
-    if not (interpret_mode() or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)):
-        return False
-    size = x.element_size()
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0 for t in (x, weight))
-
-
-def _launch_tma(x, weight, bias, y, cfg: SkinnyConfig) -> None:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    (M, K), N = x.shape, weight.shape[0]
-    x_desc = TensorDescriptor.from_tensor(x, [_BLOCK_M, cfg.block_k])
-    w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
-    _skinny_tma_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x_desc, w_desc, bias if bias is not None else y, y, M, N, K, y.stride(0),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, INTERPRET=interpret_mode(),
-        BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-
-
 def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                        block_n: int | None = None, block_k: int | None = None,
-                       num_warps: int | None = None, num_stages: int | None = None,
-                       tma: bool | None = None) -> torch.Tensor:
+                       num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16) @ weight[N, K].T (+ bias[N]) -> [M, N] in x's dtype, always via Triton.
-    The keyword overrides replace fields of `skinny_config` (for benchmarks); `tma` (default
-    TMA_LOADS) takes the TMA kernel where the operands allow it."""
+    The keyword overrides replace fields of `skinny_config` (for benchmarks)."""
     x, bias, y, done = linear_operands(x, weight, bias, MAX_M, "skinny_gemm")
     if done:
         return y
@@ -164,9 +120,6 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     cfg = skinny_config(M, N, K, x.dtype)
     cfg = SkinnyConfig(block_n or cfg.block_n, block_k or cfg.block_k, num_warps or cfg.num_warps,
                        num_stages or cfg.num_stages)
-    if (TMA_LOADS if tma is None else tma) and _tma_ready(x, weight):
-        _launch_tma(x, weight, bias, y, cfg)
-        return y
     _skinny_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, weight, bias if bias is not None else y, y,
         M, N, K, x.stride(0), weight.stride(0), y.stride(0),

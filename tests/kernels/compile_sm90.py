@@ -42,16 +42,13 @@ F32, I64, I32, INT = "*fp32", "*i64", "*i32", "i32"
 _TILE = {"n_rows": INT, "vocab": INT, "stride_row": INT, "num_chunks": INT, "eps": "fp32"}
 
 # name: (kernel, argument types, constexprs, num_warps): the launch shapes of a Qwen3 vocabulary
-_SKINNY = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "NUM_STAGES": 4, "HAS_BIAS": False, "IEEE": False,
+_SKINNY = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "NUM_STAGES": 6, "HAS_BIAS": False, "IEEE": False,
            "INTERPRET": False}
 KERNELS = {
-    # the skinny GEMM of verify steps at Qwen3-8B's o_proj / down config (bf16), pointer and TMA loads
+    # the skinny GEMM of verify steps at Qwen3-8B's o_proj / down config (bf16)
     "skinny_gemm._skinny_kernel": (SG._skinny_kernel, {
         "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": INT, "N": INT, "K": INT,
-        "stride_xm": INT, "stride_wn": INT, "stride_ym": INT}, {**_SKINNY, "EVEN_K": True, "PDL": False}, 4, 4),
-    "skinny_gemm._skinny_tma_kernel": (SG._skinny_tma_kernel, {
-        "x_desc": "tensordesc<bf16[16,256]>", "w_desc": "tensordesc<bf16[32,256]>", "b_ptr": "*bf16",
-        "y_ptr": "*bf16", "M": INT, "N": INT, "K": INT, "stride_ym": INT}, _SKINNY, 4, 4),
+        "stride_xm": INT, "stride_wn": INT, "stride_ym": INT}, {**_SKINNY, "EVEN_K": True, "PDL": False}, 4, 6),
     # prompt lookup on the device (the n-gram drafter in the runner): k = 4, n = 2..4
     "ngram_match._ngram_kernel": (NM._ngram_kernel, {
         "history_ptr": "*i32", "stride_h": INT, "rows_ptr": I64, "lengths_ptr": I64, "out_ptr": I64},
