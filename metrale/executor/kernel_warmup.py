@@ -35,6 +35,7 @@ import torch
 from metrale.executor.sampler import SamplingRow, sample_tokens
 from metrale.executor.startup_passes import forward_whole, prefill_plan
 from metrale.kernels import HAS_TRITON, num_sms
+from metrale.kernels.step_inputs import fill_step_inputs
 from metrale.kernels.token_bitmask import apply_token_bitmask
 from metrale.messages.sampling_params import SamplingParams
 from metrale.messages.scheduler_output import CachedRequestData, SchedulerOutput
@@ -82,6 +83,7 @@ def warm_up_steps(runner, max_num_seqs: int, max_num_tokens: int = 0) -> list[tu
     if max_num_tokens and not interpreted and HAS_TRITON:
         steps += [(f"moe tiles {tuple(layer.w13.shape)}", functools.partial(_moe_tiles, layer, max_num_tokens))
                   for layer in _distinct_bf16_experts(runner.model)]
+    steps.append(("last-step fill", functools.partial(_fill_from_last_step, runner.device)))
     if runner.grammars is not None:
         dtypes = dict.fromkeys([runner.model_config.dtype, torch.float32])
         steps += [(f"token bitmask {str(dtype).removeprefix('torch.')}", functools.partial(_bitmask, runner, dtype))
@@ -106,6 +108,21 @@ def _moe_tiles(layer, max_num_tokens: int) -> None:
     from metrale.layers.moe.triton_moe import compile_tiles
 
     compile_tiles(layer.w13, layer.w2, layer.top_k, max_num_tokens, layer.expert_start, layer.swiglu_limit)
+
+
+def _fill_from_last_step(device: torch.device) -> None:
+    """The asynchronous steps' input fix-up (kernels/step_inputs.py), with a verify step's
+    accepted counts 16-byte aligned and at an 8-byte offset (its two variants)."""
+    def longs(*values):
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    for offset in (0, 1):
+        accepted = longs(0, 0)[offset:offset + 1]
+        fill_step_inputs(longs(1, 2), longs(5, 6), longs(5, 6), torch.tensor([7], dtype=torch.int32, device=device),
+                         torch.zeros(1, 2, dtype=torch.int32, device=device), 16, tokens=longs(3),
+                         token_holes=longs(0), token_sources=longs(0), drafts=longs(4), draft_holes=longs(1),
+                         draft_sources=longs(0), accepted=accepted, moved_seqs=longs(0), moved_unverified=longs(0),
+                         moved_last_rows=longs(0), moved_rows=longs(0, 1), moved_row_seqs=longs(0, 0))
 
 
 def _bitmask(runner, dtype: torch.dtype) -> None:

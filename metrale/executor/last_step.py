@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from metrale.kernels.step_inputs import fill_step_inputs
 from metrale.messages.scheduler_output import PLACEHOLDER
 
 
@@ -71,21 +72,19 @@ class LastStep:
 
     def fill(self, dev: dict[str, torch.Tensor], block_size: int) -> None:
         """Fix the uploaded inputs (input ids, positions, slots, sequence lengths, as `dev` names
-        them) from the last step's tensors, per `sources`' arrays (also in `dev`)."""
-        if "token_holes" in dev:
-            dev["input_ids"][dev["token_holes"]] = self.tokens[dev["token_sources"]]
-        if "draft_holes" in dev:
-            # A draft the drafter left short (-1) is never planned (scheduler: device_drafts_ready);
-            # clamped all the same, so that no step reads past the embedding.
-            dev["input_ids"][dev["draft_holes"]] = self.drafts.reshape(-1)[dev["draft_sources"]].clamp(min=0)
-        if "moved_seqs" not in dev:
-            return
-        # Each moved sequence's rows go back by the drafts the last step rejected for it.
-        delta = self.accepted[dev["moved_last_rows"]] - dev["moved_unverified"]
-        rows, row_seqs = dev["moved_rows"], dev["moved_row_seqs"]
-        positions = dev["positions"][rows] + delta[row_seqs]
-        dev["positions"][rows] = positions
-        seqs = dev["moved_seqs"]
-        dev["seq_lens"][seqs] += delta.to(dev["seq_lens"].dtype)
-        blocks = dev["tables"][seqs[row_seqs], positions // block_size].long()
-        dev["slots"][rows] = blocks * block_size + positions % block_size
+        them) from the last step's tensors, per `sources`' arrays (also in `dev`): one launch on
+        CUDA (kernels/step_inputs.py)."""
+        sources = {name: dev[name] for name in _SOURCES if name in dev}
+        if "token_holes" in sources:
+            sources["tokens"] = self.tokens
+        if "draft_holes" in sources:
+            sources["drafts"] = self.drafts.reshape(-1)
+        if "moved_seqs" in sources:
+            sources["accepted"] = self.accepted
+        fill_step_inputs(dev["input_ids"], dev["positions"], dev["slots"], dev["seq_lens"], dev["tables"], block_size,
+                         **sources)
+
+
+# The upload's arrays `sources` writes, by fill_step_inputs' names.
+_SOURCES = ("token_holes", "token_sources", "draft_holes", "draft_sources", "moved_seqs", "moved_unverified",
+            "moved_last_rows", "moved_rows", "moved_row_seqs")

@@ -226,3 +226,22 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     words = bitmask.long()[:, (tokens // 32).clamp(max=bitmask.shape[1] - 1)]
     allowed = ((words >> (tokens % 32)) & 1).bool() & (tokens < bitmask.shape[1] * 32)
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def fill_step_inputs(input_ids, positions, slots, seq_lens, tables, block_size: int, tokens=None, token_holes=None,
+                     token_sources=None, drafts=None, draft_holes=None, draft_sources=None, accepted=None,
+                     moved_seqs=None, moved_unverified=None, moved_last_rows=None, moved_rows=None,
+                     moved_row_seqs=None) -> None:
+    """kernels/step_inputs.py's rule: a step's inputs completed in place from the step before."""
+    if token_holes is not None:
+        input_ids[token_holes] = tokens[token_sources]
+    if draft_holes is not None:
+        input_ids[draft_holes] = drafts.reshape(-1)[draft_sources].clamp(min=0)
+    if moved_seqs is None:
+        return
+    delta = accepted[moved_last_rows] - moved_unverified
+    position = positions[moved_rows] + delta[moved_row_seqs]
+    positions[moved_rows] = position
+    seq_lens[moved_seqs] += delta.to(seq_lens.dtype)
+    blocks = tables[moved_seqs[moved_row_seqs], position // block_size].long()
+    slots[moved_rows] = blocks * block_size + position % block_size

@@ -37,6 +37,7 @@ from metrale.kernels import ngram_match as NM
 from metrale.kernels import rejection_sampling as RS
 from metrale.kernels import sampling as S
 from metrale.kernels import skinny_gemm as SG
+from metrale.kernels import step_inputs as SI
 
 F32, I64, I32, INT = "*fp32", "*i64", "*i32", "i32"
 _TILE = {"n_rows": INT, "vocab": INT, "stride_row": INT, "num_chunks": INT, "eps": "fp32"}
@@ -49,6 +50,14 @@ KERNELS = {
     "skinny_gemm._skinny_kernel": (SG._skinny_kernel, {
         "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": INT, "N": INT, "K": INT,
         "stride_xm": INT, "stride_wn": INT, "stride_ym": INT}, {**_SKINNY, "EVEN_K": True, "PDL": False}, 4, 6),
+    # a step's inputs completed from the step before (asynchronous scheduling)
+    "step_inputs._fill_kernel": (SI._fill_kernel, {
+        **{name: I64 for name in ("input_ids_ptr", "positions_ptr", "slots_ptr", "tokens_ptr", "token_holes_ptr",
+                                  "token_sources_ptr", "drafts_ptr", "draft_holes_ptr", "draft_sources_ptr",
+                                  "accepted_ptr", "moved_seqs_ptr", "moved_unverified_ptr", "moved_last_rows_ptr",
+                                  "moved_rows_ptr", "moved_row_seqs_ptr")},
+        "seq_lens_ptr": I32, "tables_ptr": I32, "stride_t": INT, "block_size": INT, "num_tokens": INT,
+        "num_drafts": INT, "num_moved": INT, "num_moved_rows": INT}, {"BLOCK": 1024}, 4),
     # prompt lookup on the device (the n-gram drafter in the runner): k = 4, n = 2..4
     "ngram_match._ngram_kernel": (NM._ngram_kernel, {
         "history_ptr": "*i32", "stride_h": INT, "rows_ptr": I64, "lengths_ptr": I64, "out_ptr": I64},
