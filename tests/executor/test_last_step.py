@@ -3,15 +3,20 @@ holds from that step's tensors (sampled tokens, drafts), and moves the rows of a
 over drafts in flight back by the drafts that step rejected, all on the device."""
 
 import numpy as np
+import pytest
 import torch
 
 from metrale.executor.last_step import LastStep
+from metrale.kernels import HAS_TRITON, interpret_mode, kernel_path
 from metrale.messages.scheduler_output import PLACEHOLDER as P
 
 BLOCK = 4
 
 
-def test_holes_come_from_the_last_step_and_moved_rows_go_back_by_its_rejections():
+@pytest.mark.parametrize("path", ["reference", pytest.param("kernels", marks=pytest.mark.skipif(
+    not (HAS_TRITON and interpret_mode()), reason="needs triton's CPU interpreter"))])
+def test_holes_come_from_the_last_step_and_moved_rows_go_back_by_its_rejections(path):
+    """Both paths of the fix-up: the PyTorch rule, and the one-launch kernel (kernels/step_inputs.py)."""
     last = LastStep()
     # The last step sampled for a, b, d (in that order): a verified 3 drafts and accepted 1, d
     # verified 2 and accepted both, b was a plain decode row.
@@ -37,7 +42,8 @@ def test_holes_come_from_the_last_step_and_moved_rows_go_back_by_its_rejections(
     dev.update(input_ids=torch.from_numpy(input_ids.copy()), positions=torch.from_numpy(positions.copy()),
                slots=torch.from_numpy(slots.copy()), seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
                tables=torch.from_numpy(tables.astype(np.int32)))
-    last.fill(dev, BLOCK)
+    with kernel_path(path):
+        last.fill(dev, BLOCK)
     assert dev["input_ids"].tolist() == [10, 11, 12, 7, 8, 20, 40]
     # a accepted 1 of 3: back by 2; d accepted both: where it was planned.
     assert dev["positions"].tolist() == [18, 19, 20, 0, 1, 5, 9]
