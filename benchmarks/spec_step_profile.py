@@ -143,7 +143,9 @@ def _launch_sites(trace: dict, kernels: list, graph_launches: set, steps: int) -
     for e in trace["traceEvents"]:
         if e.get("cat") == "python_function" and "metrale/" in e.get("name", ""):
             frames.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
-    starts = {tid: [f[0] for f in fs] for tid, fs in frames.items() if not fs.sort()}
+    for fs in frames.values():
+        fs.sort()
+    starts = {tid: [f[0] for f in fs] for tid, fs in frames.items()}
     launches = {e["args"].get("correlation"): e for e in trace["traceEvents"] if e.get("cat") == "cuda_runtime"}
 
     def site(launch) -> str:

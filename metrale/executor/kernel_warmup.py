@@ -16,6 +16,8 @@ input views in the runner), so the variants are few and known:
     SM count, a program per row at or above it);
   * the structured-output token bitmask, on logits of the LM head's dtype and of float32 (a
     batch with penalties), so the first constrained request compiles nothing;
+  * in engines that schedule asynchronously, the fix-up of a step's inputs from the step in
+    flight (kernels/step_inputs.py), with a verify step's accepted counts aligned and not;
   * the grouped MoE GEMMs' tiles, which depend on the step's token count (a table measured per
     shape, layers/moe/triton_moe.py): every pair a step up to the token budget can take, per
     distinct bf16 expert shape.
@@ -52,10 +54,12 @@ INTERPRETED_PREFILL_LENGTHS = (1, 33)
 INTERPRETED_DECODE_CONTEXT = 40
 
 
-def warm_up_steps(runner, max_num_seqs: int, max_num_tokens: int = 0) -> list[tuple[str, Callable[[], None]]]:
+def warm_up_steps(runner, max_num_seqs: int, max_num_tokens: int = 0,
+                  asynchronous: bool = False) -> list[tuple[str, Callable[[], None]]]:
     """The warm-up as named steps, each one forward (or sampler call) reaching the variants
     above. Each uses the KV pool from block 0 (nothing else holds it at startup) and leaves no
-    request behind. max_num_tokens: the step token budget (0: no MoE tiles step)."""
+    request behind. max_num_tokens: the step token budget (0: no MoE tiles step); asynchronous:
+    the engine schedules asynchronously (its steps' inputs are fixed up on the device)."""
     vocab = runner.model_config.vocab_size
     pool_tokens = runner.caches.num_blocks * runner.block_size
     interpreted = runner.device.type != "cuda"
@@ -83,7 +87,8 @@ def warm_up_steps(runner, max_num_seqs: int, max_num_tokens: int = 0) -> list[tu
     if max_num_tokens and not interpreted and HAS_TRITON:
         steps += [(f"moe tiles {tuple(layer.w13.shape)}", functools.partial(_moe_tiles, layer, max_num_tokens))
                   for layer in _distinct_bf16_experts(runner.model)]
-    steps.append(("last-step fill", functools.partial(_fill_from_last_step, runner.device)))
+    if asynchronous:
+        steps.append(("last-step fill", functools.partial(_fill_from_last_step, runner.device)))
     if runner.grammars is not None:
         dtypes = dict.fromkeys([runner.model_config.dtype, torch.float32])
         steps += [(f"token bitmask {str(dtype).removeprefix('torch.')}", functools.partial(_bitmask, runner, dtype))

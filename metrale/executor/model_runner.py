@@ -220,12 +220,12 @@ class ModelRunner:
                 graphs.release()
         self.graphs = self.verify_graphs = self.prefill_graphs = None
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, num_speculative_tokens: int = 0,
-                            max_prefill_tokens: int = 0, step_token_budget: int | None = None) -> None:
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, step_token_budget: int,
+                            num_speculative_tokens: int = 0, max_prefill_tokens: int = 0) -> None:
         """Decode graphs, verify graphs of 1 + num_speculative_tokens rows per sequence when
-        speculating and every backend supports them (within `verify_row_limit` rows, from the
-        step's token budget: max_num_seqs where none is given), and prefill graphs of up to
-        max_prefill_tokens tokens where the model allows them (executor/cuda_graphs.py)."""
+        speculating and every backend supports them (within `verify_row_limit` rows of the step's
+        token budget), and prefill graphs of up to max_prefill_tokens tokens where the model allows
+        them (executor/cuda_graphs.py)."""
         from metrale.executor.cuda_graphs import (DecodeGraphs, PrefillGraphs, VerifyGraphSet, capture_sizes,
                                                   prefill_capture_sizes, verify_row_limit)
 
@@ -237,9 +237,8 @@ class ModelRunner:
         if num_speculative_tokens and not self.supports_verify_graphs:
             logger.info("verify steps run eagerly: the %s backends have no verify graphs", self.backend_names)
         elif num_speculative_tokens:
-            max_rows = verify_row_limit(max_num_seqs, max_num_seqs if step_token_budget is None else step_token_budget)
             self.verify_graphs = VerifyGraphSet(self, max_num_seqs, num_speculative_tokens, max_blocks, max_model_len,
-                                                max_rows)
+                                                verify_row_limit(max_num_seqs, step_token_budget))
             pool = self.verify_graphs.capture(pool)
         sizes = prefill_capture_sizes(min(max_prefill_tokens, max_model_len))
         if sizes and self.supports_prefill_graphs:

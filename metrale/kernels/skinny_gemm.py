@@ -60,26 +60,6 @@ def skinny_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -
 
 
 @triton.jit
-def _accumulate(acc, w, xt, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc += w [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M], fp32 accumulation."""
-    if IEEE:
-        return acc + tl.dot(w, xt, input_precision="ieee")
-    if INTERPRET:  # the CPU interpreter's 16-bit tl.dot gives garbage (Triton 3.x): widen first
-        return acc + tl.dot(w.to(tl.float32), xt.to(tl.float32))
-    return acc + tl.dot(w, xt)
-
-
-@triton.jit
-def _store(acc, b_ptr, y_ptr, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """y[:M, offs_n] = acc^T (+ bias), rounded once; columns past N dropped."""
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + tl.minimum(offs_n, N - 1)).to(tl.float32)[:, None]
-    offs_m = tl.arange(0, BLOCK_M)
-    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
-
-
-@triton.jit
 def _skinny_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     M, N, K, stride_xm, stride_wn, stride_ym,
@@ -104,8 +84,16 @@ def _skinny_kernel(
             kmask = (k0 + offs_k) < K
             w = tl.load(w_ptrs + k0, mask=kmask[None, :], other=0.0)
             xt = tl.load(xt_ptrs + k0, mask=kmask[:, None] & mmask[None, :], other=0.0)
-        acc = _accumulate(acc, w, xt, IEEE, INTERPRET)
-    _store(acc, b_ptr, y_ptr, offs_n, M, N, stride_ym, HAS_BIAS, BLOCK_M)
+        if IEEE:
+            acc += tl.dot(w, xt, input_precision="ieee")
+        elif INTERPRET:  # the CPU interpreter's 16-bit tl.dot gives garbage (Triton 3.x): widen first
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
+        else:
+            acc += tl.dot(w, xt)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & mmask[None, :])
 
 
 def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

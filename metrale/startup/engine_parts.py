@@ -158,7 +158,8 @@ def build_runner(args: EngineArgs, config: ModelConfig, device: torch.device, lo
                 # is recorded and the others still run, so the report lists every failure
                 with runner.kernel_context(), torch.inference_mode():
                     run_audited(report, warm_up_steps(runner, plan.max_num_seqs,
-                                                      args.step_token_budget(runner.device.type)))
+                                                      args.step_token_budget(runner.device.type),
+                                                      args.schedules_asynchronously(runner.device.type)))
         except Exception as launch_error:
             if not report.unresolved:
                 raise
@@ -183,9 +184,9 @@ def _size_caches(args, plan, runner, tokenizer, parallel, forward: str, log: Sta
     if forward == "graphs":
         spec = args.speculative_decoding
         budget = args.step_token_budget(runner.device.type)
-        runner.capture_cuda_graphs(plan.max_num_seqs, plan.max_model_len,
+        runner.capture_cuda_graphs(plan.max_num_seqs, plan.max_model_len, budget,
                                    spec.num_speculative_tokens if spec is not None else 0,
-                                   budget if args.prefill_graphs else 0, budget)
+                                   budget if args.prefill_graphs else 0)
     state = f", {runner.caches.num_slots} state slots ({plan.state_cache_bytes / 2**20:.0f} MiB)" \
         if plan.state_bytes_per_slot else ""
     log.phase("kv cache", f"{plan.num_kv_blocks} blocks x {args.block_size} tokens "

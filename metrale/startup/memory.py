@@ -39,13 +39,17 @@ def apply_lm_head_dtype(model: torch.nn.Module, args: EngineArgs) -> None:
         model.lm_head.set_dtype(LM_HEAD_DTYPES[args.lm_head_dtype])
 
 
+def _max_seqs(args: EngineArgs) -> int:
+    """The sequences the plan sizes for before the KV pool is known (auto: 1,024)."""
+    return 1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs)
+
+
 def sampled_rows(args: EngineArgs) -> int:
     """The most rows a step samples (each with a vocabulary of logits): one per sequence, and
     1 + k per sequence in a verify step where the engine speculates. Capped by the step's token
     budget where the activation estimate reads it."""
-    max_seqs = 1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs)
     spec = args.speculative_decoding
-    return max_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+    return _max_seqs(args) * (1 + (spec.num_speculative_tokens if spec is not None else 0))
 
 
 def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
@@ -59,7 +63,7 @@ def plan_memory(args: EngineArgs, config: ModelConfig, device: torch.device,
                             drafter_cached_layers(args.speculative_decoding, meta_model))
     activation = estimate_activation_bytes(config.hf_config, config.dtype, args.step_token_budget(device.type),
                                            sampled_rows(args), config.vocab_size)
-    max_seqs = 1024 if args.max_num_seqs == "auto" else int(args.max_num_seqs)
+    max_seqs = _max_seqs(args)
     weights = (parameter_bytes(meta_model) + drafter_weight_bytes(args.speculative_decoding, meta_model)
                + drafter_buffer_bytes(args.speculative_decoding, args.schedules_asynchronously(device.type),
                                       max_seqs, config.max_model_len))
