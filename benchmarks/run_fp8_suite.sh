@@ -2,6 +2,7 @@
 # FP8 weights on one GPU (docs/quantization.md, docs/benchmarks.md), in calls of a few minutes:
 #     OUT=/tmp/out bash benchmarks/run_fp8_suite.sh tests   # GPU tests of the FP8 paths, kernel benchmarks
 #     OUT=/tmp/out bash benchmarks/run_fp8_suite.sh dense   # Qwen3-8B-FP8 against Qwen3-8B (bf16), batch 1
+#                                                         (AB_DIR=<older tree>: its FP8 run too)
 #     OUT=/tmp/out bash benchmarks/run_fp8_suite.sh moe     # Qwen3-30B-A3B-FP8 against bf16: batch 1, workload
 #                                                         (moe_latency: batch 1 only)
 #     OUT=/tmp/out bash benchmarks/run_fp8_suite.sh next    # the full Qwen3-Next-80B-A3B-Instruct-FP8 config
@@ -42,10 +43,14 @@ for mode in ${MODES//,/ }; do
       [ -n "${SKIP_KERNEL_BENCH:-}" ] && continue
       timeout "${KBENCH_TIMEOUT:-150}" python3 benchmarks/fp8_gemm_bench.py ${GEMM_BENCH_ARGS:-} > "$W/fp8_gemm_bench.log" 2>&1
       tail -40 "$W/fp8_gemm_bench.log"
+      [ -n "${SKIP_MOE_BENCH:-}" ] && continue
       timeout 90 python3 benchmarks/fp8_moe_bench.py > "$W/fp8_moe_bench.log" 2>&1; tail -25 "$W/fp8_moe_bench.log" ;;
     dense)
       latency qwen3_8b_fp8 Qwen3-8B-FP8
-      latency qwen3_8b_bf16 Qwen3-8B ;;
+      latency qwen3_8b_bf16 Qwen3-8B
+      if [ -n "${AB_DIR:-}" ]; then  # the same FP8 run from an older tree (git archive), same machine
+        (cd "$AB_DIR" && PYTHONPATH="/tmp/site:$PWD" latency qwen3_8b_fp8_ab Qwen3-8B-FP8)
+      fi ;;
     moe_latency)
       latency qwen3_30b_a3b_fp8 Qwen3-30B-A3B-FP8
       latency qwen3_30b_a3b_bf16 Qwen3-30B-A3B ;;
