@@ -7,8 +7,7 @@ so small-M calls stream their weight from HBM):
   bf16        F.linear with a bf16 weight (cuBLAS)
   fp8_linear  the dispatcher the layers call, activation groups of 128 (GEMV at M <= 4, else
               quantize + W8A8 GEMM)
-  gemv        fp8_gemv_triton (M <= 4): the default config (fp8_gemv_config) and GEMV_GRID, each with
-              both conversions of the weights (config.convert "bits" and "cvt")
+  gemv        fp8_gemv_triton (M <= 4): the default config (fp8_gemv_config) and GEMV_GRID
   quant       quantize_activation_triton alone (M > 4)
   w8a8        fp8_gemm_triton on pre-quantized x: the default config (fp8_gemm_config) and
               the candidates of M's bucket (GEMM_CANDIDATES)
@@ -109,13 +108,12 @@ def gemm_configs(fp8_gemm, M, N, K, w8a8, max_configs):
 def gemv_configs(fp8_gemv, M, N, K, max_configs):
     default = fp8_gemv.fp8_gemv_config(M, N, K)
     k_cap = max(16, 1 << (K - 1).bit_length())
-    out = [None, default._replace(convert="cvt")]  # --default-only keeps these two
+    out = [None]
     for bn, bk, nw, ns in GEMV_GRID:
         bk = min(bk, k_cap)
-        for convert in ("bits", "cvt"):
-            cfg = fp8_gemv.Fp8GemvConfig(bn, bk, max(1, min(nw, bk // 512)), ns, convert)
-            if cfg != default and cfg not in out:
-                out.append(cfg)
+        cfg = fp8_gemv.Fp8GemvConfig(bn, bk, max(1, min(nw, bk // 512)), ns)
+        if cfg != default and cfg not in out:
+            out.append(cfg)
     return out[:max_configs]
 
 
@@ -191,7 +189,7 @@ def main(argv=None):
                          fp8_math.fp8_linear_reference(x, w_q, w_s, GROUP, GROUP),
                          w_bytes + s_bytes + x_bytes + out_bytes))
             for kernel, configs, call, ref, nbytes in runs:
-                for cfg in configs[:2 if kernel == "gemv" else 1] if args.default_only else configs:
+                for cfg in configs[:1] if args.default_only else configs:
                     try:
                         us = time_graph(lambda i, c=cfg: call(i, c), args.calls, args.replays)
                         torch.testing.assert_close(call(0, cfg).float(), ref.float(), rtol=2e-2, atol=2e-2)

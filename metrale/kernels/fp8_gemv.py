@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from metrale.kernels import interpret_mode, pdl_args, pdl_wait, tl, triton
+from metrale.kernels import pdl_args, pdl_wait, tl, triton
 from metrale.kernels import fp8_math
 
 MAX_M = 4
@@ -48,11 +48,6 @@ class Fp8GemvConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
-    # How each e4m3 weight becomes float32 (both exact): "bits" moves its sign, exponent and
-    # mantissa into float32's fields with integer ops and one multiply (full-rate ALU work);
-    # "cvt" takes the hardware conversions (e4m3x2 -> f16x2 -> f32), which run on the
-    # quarter-rate conversion unit and bound the kernel at about 2.3-3 T elements/s on an H200.
-    convert: str = "bits"
 
 
 def fp8_gemv_config(M: int, N: int, K: int) -> Fp8GemvConfig:
@@ -63,7 +58,10 @@ def fp8_gemv_config(M: int, N: int, K: int) -> Fp8GemvConfig:
               fp8_gemm_bench.py, at 09dbbd8) this took 11.1, 8.1, 35.9 and
               16.5 us for Qwen3-8B's qkv, o_proj, gate_up and down (2.3-3.1 TB/s), against 12.6,
               9.1, 42.6 and 18.5 with two rows per program; the conversion of each fp8 element
-              to float32 bounds it there, not the bandwidth.
+              to float32 bounds it there, not the bandwidth. (Widening the weights with
+              integer ops instead, a byte permute, a shift and a mask per element and one
+              multiply, was 10-19% slower on an H100 at `8625fee`: 13.45 against 11.81 us
+              for qkv, 42.88 against 36.04 for gate_up; reverted.)
       M >= 2: chunks of 2 KiB, 4 warps when N > 8192; else 1 KiB, 2 warps (M == 2) or 512 B,
               1 warp (M >= 3); cp.async ring of 3 stages; BLOCK_N 4. With activations quantized,
               fp8_linear takes the W8A8 GEMM from two rows on, which is faster there.
@@ -87,81 +85,17 @@ def fp8_gemv_config(M: int, N: int, K: int) -> Fp8GemvConfig:
     return Fp8GemvConfig(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
 
 
-_TWO_POW_120 = tl.constexpr(2.0 ** 120)  # 2^(127 - 7): float32's exponent bias over e4m3's
-
-
 @triton.jit
-def _e4m3_byte_to_f32(words, j: tl.constexpr):
-    # Byte j (0 = least significant) of each int32 word, an e4m3 value, as float32, exactly:
-    # its sign goes to bit 31 and its 4 exponent + 3 mantissa bits to bits 20..26, which reads
-    # as the value times 2^-120 (a float32 subnormal for e4m3's subnormals: the kernels keep
-    # denormals, no .ftz); the multiply by 2^120 restores it and normalizes. NaN codes (0x7F,
-    # 0xFF) read as 480: no finite checkpoint holds them.
-    top = words << (24 - 8 * j)  # byte j in bits 24..31
-    return ((top >> 4) & -2014314496).to(tl.float32, bitcast=True) * _TWO_POW_120  # 0x87F00000
-
-
-# The same on the GPU, four bytes of a word per call: each byte moved to the top with one byte
-# permute (prmt), an arithmetic shift right by 4 (the sign copied down to bit 27), then the
-# mask 0x87F00000 keeps the sign and the 7 magnitude bits.
-_E4M3_WORD_ASM = tl.constexpr("""
-{
-.reg .b32 t<4>;
-prmt.b32 t0, $4, 0, 0x0444;
-prmt.b32 t1, $4, 0, 0x1444;
-prmt.b32 t2, $4, 0, 0x2444;
-prmt.b32 t3, $4, 0, 0x3444;
-shr.s32 t0, t0, 4;
-shr.s32 t1, t1, 4;
-shr.s32 t2, t2, 4;
-shr.s32 t3, t3, 4;
-and.b32 $0, t0, 0x87F00000;
-and.b32 $1, t1, 0x87F00000;
-and.b32 $2, t2, 0x87F00000;
-and.b32 $3, t3, 0x87F00000;
-}
-""")
-
-
-@triton.jit
-def _words_to_f32(words, INTERPRET: tl.constexpr):
-    # int32 [BLOCK_N, BLOCK_K // VEC, VEC // 4] (4 e4m3 values each, little-endian) -> float32
-    # [BLOCK_N, BLOCK_K // VEC, VEC] in memory order (element 4 * word + byte). The joins only
-    # regroup a thread's registers.
-    if INTERPRET:  # no inline PTX on the CPU
-        b0 = _e4m3_byte_to_f32(words, 0)
-        b1 = _e4m3_byte_to_f32(words, 1)
-        b2 = _e4m3_byte_to_f32(words, 2)
-        b3 = _e4m3_byte_to_f32(words, 3)
-    else:
-        b0, b1, b2, b3 = tl.inline_asm_elementwise(
-            _E4M3_WORD_ASM, "=r,=r,=r,=r,r", [words], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
-            is_pure=True, pack=1)
-        b0 *= _TWO_POW_120
-        b1 *= _TWO_POW_120
-        b2 *= _TWO_POW_120
-        b3 *= _TWO_POW_120
-    both = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [..., VEC // 4, 2 (byte >> 1), 2 (byte & 1)]
-    return tl.reshape(both, [words.shape[0], words.shape[1], 4 * words.shape[2]])
-
-
-@triton.jit
-def _load_chunk(w_ptrs, s_ptrs, k_vec, group_k, kmask, vmask, MASKED: tl.constexpr, BITS: tl.constexpr,
-                INTERPRET: tl.constexpr):
+def _load_chunk(w_ptrs, s_ptrs, k_vec, group_k, kmask, vmask, MASKED: tl.constexpr):
     # One chunk of weight rows (float32 [BLOCK_N, BLOCK_K // VEC, VEC]) and the scale of each
-    # of its vectors ([BLOCK_N, BLOCK_K // VEC]); k_vec holds the vectors' first k. BITS:
-    # w_ptrs address int32 words ([BLOCK_N, BLOCK_K // VEC, VEC // 4]) and kmask covers words.
+    # of its vectors ([BLOCK_N, BLOCK_K // VEC]); k_vec holds the vectors' first k.
     if MASKED:
-        w = tl.load(w_ptrs, mask=kmask[None, :, :], other=0 if BITS else 0.0)
+        w = tl.load(w_ptrs, mask=kmask[None, :, :], other=0.0)
         s = tl.load(s_ptrs + (k_vec // group_k)[None, :], mask=vmask[None, :], other=0.0)
     else:
         w = tl.load(w_ptrs)
         s = tl.load(s_ptrs + (k_vec // group_k)[None, :])
-    if BITS:
-        w = _words_to_f32(w, INTERPRET)
-    else:
-        w = w.to(tl.float32)
-    return w, s
+    return w.to(tl.float32), s
 
 
 @triton.jit
@@ -201,7 +135,7 @@ def _fp8_gemv_kernel(
     N, K, group_n, group_k, stride_xm, stride_wn, stride_sn, stride_ym,
     M: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREFETCH: tl.constexpr, BITS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N),). Program owns output columns n0..n0+BLOCK_N of every row of y.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -210,14 +144,7 @@ def _fp8_gemv_kernel(
     # k offsets of one chunk as [BLOCK_K // VEC, VEC]: the last axis is one 16-byte vector per thread
     k_vec = tl.arange(0, BLOCK_K // VEC) * VEC
     kk = k_vec[:, None] + tl.arange(0, VEC)[None, :]
-    if BITS:  # w_ptr, stride_wn in int32 words of 4 e4m3 values (K % 4 == 0)
-        kw = k_vec[:, None] // 4 + tl.arange(0, VEC // 4)[None, :]
-        w_ptrs = w_ptr + rows[:, None, None] * stride_wn + kw[None, :, :]
-        w_step = 4  # k per pointer step
-    else:
-        kw = kk
-        w_ptrs = w_ptr + rows[:, None, None] * stride_wn + kk[None, :, :]
-        w_step = 1
+    w_ptrs = w_ptr + rows[:, None, None] * stride_wn + kk[None, :, :]
     s_ptrs = s_ptr + (rows // group_n)[:, None] * stride_sn
     x_ptrs = x_ptr + kk
 
@@ -228,21 +155,19 @@ def _fp8_gemv_kernel(
     k_full = (K // BLOCK_K) * BLOCK_K
     k_start = 0
     if PREFETCH:  # PDL and at least one full chunk: weights and scales before the wait
-        w_first, s_first = _load_chunk(w_ptrs, s_ptrs, k_vec, group_k, None, None, False, BITS, INTERPRET)
+        w_first, s_first = _load_chunk(w_ptrs, s_ptrs, k_vec, group_k, None, None, False)
     pdl_wait(PDL)
     if PREFETCH:
         acc0, acc1, acc2, acc3 = _fp8_gemv_rows(acc0, acc1, acc2, acc3, w_first, s_first, x_ptrs, stride_xm,
                                                 None, M, False)
         k_start = BLOCK_K
     for k0 in tl.range(k_start, k_full, BLOCK_K, num_stages=NUM_STAGES):
-        w, s = _load_chunk(w_ptrs + k0 // w_step, s_ptrs, k0 + k_vec, group_k, None, None, False, BITS, INTERPRET)
+        w, s = _load_chunk(w_ptrs + k0, s_ptrs, k0 + k_vec, group_k, None, None, False)
         acc0, acc1, acc2, acc3 = _fp8_gemv_rows(acc0, acc1, acc2, acc3, w, s, x_ptrs + k0, stride_xm,
                                                 None, M, False)
     if not EVEN_K:  # the partial last chunk
         kmask = (k_full + kk) < K
-        wmask = (k_full + kw * w_step) < K  # BITS: a word lies wholly below K or past it
-        w, s = _load_chunk(w_ptrs + k_full // w_step, s_ptrs, k_full + k_vec, group_k, wmask,
-                           (k_full + k_vec) < K, True, BITS, INTERPRET)
+        w, s = _load_chunk(w_ptrs + k_full, s_ptrs, k_full + k_vec, group_k, kmask, (k_full + k_vec) < K, True)
         acc0, acc1, acc2, acc3 = _fp8_gemv_rows(acc0, acc1, acc2, acc3, w, s, x_ptrs + k_full, stride_xm,
                                                 kmask, M, True)
 
@@ -257,12 +182,6 @@ def _fp8_gemv_kernel(
         _fp8_gemv_store(acc2, b, y_ptrs + 2 * stride_ym, nmask, HAS_BIAS)
     if M > 3:
         _fp8_gemv_store(acc3, b, y_ptrs + 3 * stride_ym, nmask, HAS_BIAS)
-
-
-def _reads_as_words(weight: torch.Tensor) -> bool:
-    """Whether the weight's rows can be read as int32 words of 4 e4m3 values (the "bits" convert):
-    K and the row stride multiples of 4, the storage 4-byte aligned."""
-    return weight.shape[1] % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
 
 
 def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_n: int, group_k: int,
@@ -294,15 +213,13 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 
     cfg = config or fp8_gemv_config(M, N, K)
     assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.block_k & (cfg.block_k - 1) == 0, cfg
-    assert cfg.block_k >= VEC and cfg.num_stages >= 1 and cfg.convert in ("bits", "cvt"), cfg
-    bits = cfg.convert == "bits" and _reads_as_words(weight)
-    w = weight.view(torch.int32) if bits else weight
+    assert cfg.block_k >= VEC and cfg.num_stages >= 1, cfg
     pdl = pdl_args()
     _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x, w, weight_scale, bias if bias is not None else y, y,
-        N, K, group_n, group_k, x.stride(0), w.stride(0), weight_scale.stride(0), y.stride(0),
+        x, weight, weight_scale, bias if bias is not None else y, y,
+        N, K, group_n, group_k, x.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0),
         M=M, HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=VEC, NUM_STAGES=cfg.num_stages,
-        PREFETCH=pdl["PDL"] and K >= cfg.block_k, BITS=bits, INTERPRET=interpret_mode(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        PREFETCH=pdl["PDL"] and K >= cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     return y

@@ -106,13 +106,13 @@ KERNELS = {
     # N > 8192, M = 4 configs (fp8_gemv_config), the activation quantization, and the block-scaled
     # GEMM at the small-M and large-M rows of both fp8_gemm_config tables (num_stages is the
     # compiler's default here: the ring's depth is not compiled)
-    **{f"fp8_gemv._fp8_gemv_kernel[M={m},{'bits' if bits else 'cvt'}]": (FV._fp8_gemv_kernel, {
-        "x_ptr": "*bf16", "w_ptr": "*i32" if bits else "*fp8e4nv", "s_ptr": F32, "b_ptr": "*bf16", "y_ptr": "*bf16",
+    **{f"fp8_gemv._fp8_gemv_kernel[M={m}]": (FV._fp8_gemv_kernel, {
+        "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": F32, "b_ptr": "*bf16", "y_ptr": "*bf16",
         **{name: INT for name in ("N", "K", "group_n", "group_k", "stride_xm", "stride_wn", "stride_sn",
                                   "stride_ym")}},
         {"M": m, "HAS_BIAS": False, "EVEN_K": True, "BLOCK_N": block_n, "BLOCK_K": block_k, "VEC": 16,
-         "NUM_STAGES": stages, "PREFETCH": True, "BITS": bits, "INTERPRET": False, "PDL": True}, warps)
-       for m, block_n, block_k, warps, stages in ((1, 2, 4096, 8, 1), (4, 4, 2048, 4, 3)) for bits in (True, False)},
+         "NUM_STAGES": stages, "PREFETCH": True, "PDL": True}, warps)
+       for m, block_n, block_k, warps, stages in ((1, 2, 4096, 8, 1), (4, 4, 2048, 4, 3))},
     "fp8_quant._quantize_kernel": (FQ._quantize_kernel, {
         "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": F32,
         **{name: INT for name in ("K", "group_size", "num_groups", "stride_xm", "stride_qm", "stride_sm")}},

@@ -110,7 +110,6 @@ def test_quantize_strided_rows_and_dispatch(device):
 GEMV_CASES = [  # N, K, group_n, group_k, bias
     (80, 48, 32, 32, True),    # partial N and K blocks: 80 = 2 * 32 + 16 rows, K = 32 + 16
     (37, 100, 1, 128, False),  # per-row scales, one scale per row (group_k >= K), K % 16 != 0
-    (21, 66, 1, 128, True),    # K % 4 != 0: rows not readable as int32 words, the "cvt" conversion
 ]
 
 
@@ -124,23 +123,20 @@ def test_fp8_gemv(device, dtype, M, N, K, gn, gk, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("convert", ["bits", "cvt"])
 @pytest.mark.parametrize("config", [
     Fp8GemvConfig(8, 32, 1, 2),   # partial row block, 3 chunks through the cp.async ring
     Fp8GemvConfig(4, 16, 1, 1),   # one vector a chunk, plain loads
     Fp8GemvConfig(2, 128, 4, 1),  # one masked chunk covers K
 ])
-def test_fp8_gemv_configs(device, dtype, convert, config):
+def test_fp8_gemv_configs(device, dtype, config):
     w, s = _weight(device, 40, 96, 16, 32)
     x, b = _x(device, dtype, 3, 96), _bias(device, dtype, 40, True)
-    y = fp8_gemv_triton(x, w, s, 16, 32, b, config=config._replace(convert=convert))
-    _close(y, x, w, s, 16, 32, b, None)
+    _close(fp8_gemv_triton(x, w, s, 16, 32, b, config=config), x, w, s, 16, 32, b, None)
 
 
-@pytest.mark.parametrize("convert", ["bits", "cvt"])
-def test_fp8_gemv_reads_every_e4m3_code_exactly(device, convert):
-    """Every finite e4m3 code (both signs, subnormals, zero) in the columns a one-hot x selects,
-    at each byte position of a 4-byte word: y is the weight's value times its scale, exactly."""
+def test_fp8_gemv_reads_every_e4m3_code_exactly(device):
+    """Every finite e4m3 code (both signs, subnormals, zero) in the columns a one-hot x selects:
+    y is the weight's value times its scale, exactly."""
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F]  # NaN
     N, K = codes.numel(), 64
@@ -152,7 +148,7 @@ def test_fp8_gemv_reads_every_e4m3_code_exactly(device, convert):
     for k in columns:
         x = torch.zeros(1, K, device=device)
         x[0, k] = 1.0
-        y = fp8_gemv_triton(x, w, s, N, K, config=Fp8GemvConfig(4, 64, 1, 1, convert))
+        y = fp8_gemv_triton(x, w, s, N, K, config=Fp8GemvConfig(4, 64, 1, 1))
         assert torch.equal(y[0], w[:, k].float() * 0.5), k
 
 
