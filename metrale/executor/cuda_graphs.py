@@ -35,7 +35,10 @@ sequence is T long, so under the causal mask the real rows see exactly the keys 
 eagerly; the padding rows read keys nobody wrote and their results are never read (every layer
 but attention is row-wise). The graph gathers the last real row's hidden state (a device index)
 for the logits. Only backends that say `supports_prefill_graphs` (the Triton attention backend)
-take part, for models without MoE layers, quantized weights, M-RoPE or a runner-side drafter.
+take part, for models without MoE layers, M-RoPE or a runner-side drafter. FP8 linear layers pick
+their kernel by row count, so a quantized model's graphs take prompts of at least
+`min_tokens` (kernels/fp8_linear.rows_on_one_path: 2 with activations quantized, where one row
+would take the W8A16 GEMV); shorter prompts prefill eagerly.
 
 Other prefill and mixed steps, and batches larger than the largest graph, run eagerly.
 """
@@ -392,8 +395,9 @@ class PrefillGraphs(CapturedGraphs):
     kind = "prefill"
     size_name = "tokens"
 
-    def __init__(self, runner, sizes: list[int], max_blocks_per_seq: int, max_model_len: int):
+    def __init__(self, runner, sizes: list[int], max_blocks_per_seq: int, max_model_len: int, min_tokens: int = 1):
         super().__init__(runner, sizes, max_model_len, query_len=1)
+        self.min_tokens = min_tokens  # shorter prompts prefill eagerly (module docstring)
         device, rows = self.device, self.max_batch
         # Rows: input ids, positions, slots; the fourth holds the last real row's index at [3, 0].
         self.row_buffers = torch.zeros(4, rows, dtype=torch.int64, device=device)
@@ -421,10 +425,11 @@ class PrefillGraphs(CapturedGraphs):
         return GraphOutputs(hidden, self.model.compute_logits(hidden.index_select(0, self.last_row)))
 
     def can_run_step(self, batch_inputs) -> bool:
-        """One sequence from its first token, its whole prompt in this step, within the largest bucket."""
+        """One sequence from its first token, its whole prompt in this step, within the largest
+        bucket and of at least min_tokens."""
         layout = batch_inputs.layout
         return (batch_inputs.host is not None and layout.num_seqs == 1 and batch_inputs.logits_rows is None
-                and layout.query_lens_cpu[0] == layout.seq_lens_cpu[0] <= self.max_batch
+                and self.min_tokens <= layout.query_lens_cpu[0] == layout.seq_lens_cpu[0] <= self.max_batch
                 and len(batch_inputs.sampled_request_ids) == 1 and batch_inputs.multimodal is None)
 
     def run(self, batch_inputs) -> Replayed:

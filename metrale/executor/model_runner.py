@@ -32,6 +32,7 @@ from metrale.executor.multimodal_step import mrope_positions, multimodal_batch
 from metrale.executor.rejection_sampler import verify_drafts
 from metrale.executor.sampler import SampledTokens, SamplingRow, sample_tokens
 from metrale.kernels import kernel_path
+from metrale.kernels.fp8_linear import rows_on_one_path
 from metrale.layers.cache_backend import CacheBackend, get_backend
 from metrale.layers.cache_spec import cached_layers
 from metrale.layers.forward_context import BatchLayout, DeviceLengths, DraftStates, ForwardContext, set_forward_context
@@ -204,14 +205,21 @@ class ModelRunner:
     @property
     def supports_prefill_graphs(self) -> bool:
         """Prefill graphs (executor/cuda_graphs.PrefillGraphs): every backend reads their padded
-        layout, and every layer but attention is row-wise on the padding rows (no MoE routing,
-        no quantized activations), with no runner-side drafter reading the step."""
+        layout, and every layer but attention is row-wise on the padding rows (no MoE routing),
+        with no runner-side drafter reading the step."""
         from metrale.layers.moe.layer import FusedMoE
 
         return (self.supports_cuda_graphs and (self.drafter is None or not self.drafter.reads_hidden_states)
-                and self.model_config.quantization is None
                 and all(getattr(b, "supports_prefill_graphs", False) for b in self.backends.values())
                 and not any(isinstance(m, FusedMoE) for m in self.model.modules()))
+
+    @property
+    def prefill_graph_min_tokens(self) -> int:
+        """The shortest prompt a prefill graph takes: FP8 linear layers compute a prompt padded to
+        the graph's rows as they compute it unpadded only from kernels.fp8_linear.rows_on_one_path
+        rows on."""
+        quantization = self.model_config.quantization
+        return 1 if quantization is None else rows_on_one_path(quantization.activation_group)
 
     def release_cuda_graphs(self) -> None:
         """Back to eager decode steps (before shutting a multi-rank engine's groups down)."""
@@ -242,7 +250,7 @@ class ModelRunner:
             pool = self.verify_graphs.capture(pool)
         sizes = prefill_capture_sizes(min(max_prefill_tokens, max_model_len))
         if sizes and self.supports_prefill_graphs:
-            self.prefill_graphs = PrefillGraphs(self, sizes, max_blocks, max_model_len)
+            self.prefill_graphs = PrefillGraphs(self, sizes, max_blocks, max_model_len, self.prefill_graph_min_tokens)
             try:
                 self.prefill_graphs.capture(pool)
             except torch.OutOfMemoryError:  # the graphs' activations come on top of the memory plan

@@ -58,6 +58,15 @@ def _unsupported(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     return None
 
 
+def rows_on_one_path(activation_group: int | None) -> int:
+    """The fewest rows from which `fp8_linear` takes the same path for every larger row count:
+    a step padded to more rows (a prefill CUDA graph) computes its real rows as the unpadded step
+    does (the W8A8 / W8A16 GEMMs' configs are picked by power-of-two buckets of M, and each row's
+    output depends on that row alone). Below it, the one-row GEMV (W8A16) stands in for the W8A8
+    GEMM, or the GEMV at up to MAX_M rows for the W8A16 GEMM."""
+    return 2 if activation_group is not None else MAX_M + 1
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_n: int, group_k: int,
                bias: torch.Tensor | None = None, activation_group: int | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype: y = x W^T (+ bias), W = weight * its group scales."""

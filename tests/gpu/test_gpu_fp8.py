@@ -64,3 +64,22 @@ def test_shipped_fp8_configs_start_and_generate(name):
     assert layer.self_attn.qkv_proj.fp8.group_n == 128  # real shapes: scales stay one per block
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_fp8_prefill_graphs_give_the_eager_prefills_tokens(tmp_path):
+    """A dense FP8 model captures prefill graphs (prompts of 2+ tokens: the W8A8 GEMM at any row
+    count from 2); each prompt alone gives the tokens of the same engine without them."""
+    src = SOURCES["qwen3"](str(tmp_path / "src"))
+    fp8, _ = quantize_checkpoint(src, str(tmp_path / "fp8"), str(tmp_path / "ref"), (32, 32))
+    prompts = _prompts() + [[5, 9, 11]]  # 1, 17, 100, 250 and 3 tokens
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for prefill_graphs in (False, True):
+        llm = LLM(fp8, dtype="bfloat16", device="cuda", num_kv_blocks=256, max_num_seqs=8,
+                  prefill_graphs=prefill_graphs)
+        graphs = llm.llm_engine.runner.prefill_graphs
+        assert (graphs is not None and graphs.min_tokens == 2) if prefill_graphs else graphs is None
+        tokens[prefill_graphs] = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids
+                                  for p in prompts]
+        llm.close()
+    assert tokens[True] == tokens[False]
