@@ -13,7 +13,11 @@
 #          MTP drafts (the demo's trained layer; the Qwen3-8B config's dummy one), each asynchronous
 #          and synchronous;
 # profile: `benchmarks/spec_step_profile.py --forced-ks 1,4 --device-timeline` on the Qwen3-8B config:
-#          where a verify step's extra device time goes (busy, idle, kernels by launch site).
+#          where a verify step's extra device time goes (busy, idle, kernels by launch site);
+# demo_profile: `benchmarks/spec_step_profile.py --model demo`: each engine step of the demo model,
+#          plain (synchronous, asynchronous) and with n-gram drafts (asynchronous: the drafter in
+#          the runner), with torch.profiler's host and kernel tables: where the asynchronous
+#          n-gram run's extra ~0.9 ms a step on a host-bound model goes (docs/speculative.md).
 # Carried beside the tree: .whl/ with transformers 5.24 and msgpack (the tests write Qwen3-Next
 # checkpoints). Logs and JSON are packed into $OUT/results.tgz (the device tool returns 8 files at most).
 set -uo pipefail
@@ -79,5 +83,8 @@ for part in $(echo "$@" | tr ',' ' '); do
       timeout 240 python3 benchmarks/spec_step_profile.py --model $Q8 --load-format dummy --forced-ks 1,4 \
         --device-timeline > "$W/spec_step_profile.log" 2>&1
       echo "== profile: exit $?"; head -60 "$W/spec_step_profile.log" ;;
+    demo_profile)
+      timeout 200 python3 benchmarks/spec_step_profile.py --model demo > "$W/spec_step_profile_demo.log" 2>&1
+      echo "== demo profile: exit $?"; grep -E "ms/step|steps, median" "$W/spec_step_profile_demo.log" ;;
   esac
 done
