@@ -59,11 +59,11 @@ def _unsupported(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 
 
 def rows_on_one_path(activation_group: int | None) -> int:
-    """The fewest rows from which `fp8_linear` takes the same path for every larger row count:
-    a step padded to more rows (a prefill CUDA graph) computes its real rows as the unpadded step
-    does (the W8A8 / W8A16 GEMMs' configs are picked by power-of-two buckets of M, and each row's
-    output depends on that row alone). Below it, the one-row GEMV (W8A16) stands in for the W8A8
-    GEMM, or the GEMV at up to MAX_M rows for the W8A16 GEMM."""
+    """The fewest rows from which `fp8_linear` takes a GEMM rather than the GEMV, so the same path
+    for every larger row count: a step padded to more rows (a prefill CUDA graph) computes its
+    real rows as the unpadded step does (the GEMMs' configs are picked by power-of-two buckets of
+    M, and each row's output depends on that row alone). Below it, the one-row GEMV (W8A16)
+    stands in for the W8A8 GEMM, or the GEMV at up to MAX_M rows for the W8A16 GEMM."""
     return 2 if activation_group is not None else MAX_M + 1
 
 
@@ -78,7 +78,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return fp8_math.fp8_linear_reference(x, weight, weight_scale, group_n, group_k, bias, activation_group)
     K, N = x.shape[-1], weight.shape[0]
     x2 = x.reshape(math.prod(x.shape[:-1]), K)
-    if x2.shape[0] == 1 or (activation_group is None and x2.shape[0] <= MAX_M):
+    if x2.shape[0] < rows_on_one_path(activation_group):
         y = fp8_gemv_triton(x2, weight, weight_scale, group_n, group_k, bias)
     elif activation_group is not None:
         x_q, x_scale = quantize_activation(x2, activation_group)
