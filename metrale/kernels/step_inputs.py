@@ -28,33 +28,47 @@ from metrale.kernels import reference, tl, triton, use_triton
 # every step. Pointers are (16-byte alignment): the upload's arrays and fresh tensors always are
 # aligned, and `accepted`, a row of a verify graph's verdict, is at an 8-byte offset for odd batch
 # sizes; kernel_warmup.py compiles both variants.
+@triton.jit
+def _fill_holes(input_ids_ptr, values_ptr, holes_ptr, sources_ptr, count, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    # input_ids[holes[i]] = values[sources[i]] (at least 0 where CLAMP) for i < count.
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, count, BLOCK):
+        i = start + offs
+        m = i < count
+        hole = tl.load(holes_ptr + i, mask=m, other=0)
+        value = tl.load(values_ptr + tl.load(sources_ptr + i, mask=m, other=0), mask=m)
+        if CLAMP:
+            value = tl.maximum(value, 0)
+        tl.store(input_ids_ptr + hole, value, mask=m)
+
+
+@triton.jit
+def _moved_by(accepted_ptr, moved_last_rows_ptr, moved_unverified_ptr, s, m):
+    # delta_s of moved sequence s (module docstring): what its last step rejected, negated.
+    return (tl.load(accepted_ptr + tl.load(moved_last_rows_ptr + s, mask=m, other=0), mask=m, other=0)
+            - tl.load(moved_unverified_ptr + s, mask=m, other=0))
+
+
+# Counts and strides change from step to step: not specialised on, so that one variant serves
+# every step. Pointers are (16-byte alignment): the upload's arrays and fresh tensors always are
+# aligned, and `accepted`, a row of a verify graph's verdict, is at an 8-byte offset for odd batch
+# sizes; kernel_warmup.py compiles both variants.
 @triton.jit(do_not_specialize=["stride_t", "block_size", "num_tokens", "num_drafts", "num_moved", "num_moved_rows"])
 def _fill_kernel(input_ids_ptr, positions_ptr, slots_ptr, seq_lens_ptr, tables_ptr, stride_t, block_size,
                  tokens_ptr, token_holes_ptr, token_sources_ptr, num_tokens,
                  drafts_ptr, draft_holes_ptr, draft_sources_ptr, num_drafts,
                  accepted_ptr, moved_seqs_ptr, moved_unverified_ptr, moved_last_rows_ptr, num_moved,
                  moved_rows_ptr, moved_row_seqs_ptr, num_moved_rows, BLOCK: tl.constexpr):
+    _fill_holes(input_ids_ptr, tokens_ptr, token_holes_ptr, token_sources_ptr, num_tokens, False, BLOCK)
+    _fill_holes(input_ids_ptr, drafts_ptr, draft_holes_ptr, draft_sources_ptr, num_drafts, True, BLOCK)
     offs = tl.arange(0, BLOCK)
-    for start in range(0, num_tokens, BLOCK):
-        i = start + offs
-        m = i < num_tokens
-        hole = tl.load(token_holes_ptr + i, mask=m, other=0)
-        token = tl.load(tokens_ptr + tl.load(token_sources_ptr + i, mask=m, other=0), mask=m)
-        tl.store(input_ids_ptr + hole, token, mask=m)
-    for start in range(0, num_drafts, BLOCK):
-        i = start + offs
-        m = i < num_drafts
-        hole = tl.load(draft_holes_ptr + i, mask=m, other=0)
-        draft = tl.load(drafts_ptr + tl.load(draft_sources_ptr + i, mask=m, other=0), mask=m)
-        tl.store(input_ids_ptr + hole, tl.maximum(draft, 0), mask=m)
     for start in range(0, num_moved_rows, BLOCK):
         i = start + offs
         m = i < num_moved_rows
         row = tl.load(moved_rows_ptr + i, mask=m, other=0)
         s = tl.load(moved_row_seqs_ptr + i, mask=m, other=0)
-        delta = (tl.load(accepted_ptr + tl.load(moved_last_rows_ptr + s, mask=m, other=0), mask=m, other=0)
-                 - tl.load(moved_unverified_ptr + s, mask=m, other=0))
-        position = tl.load(positions_ptr + row, mask=m, other=0) + delta
+        position = tl.load(positions_ptr + row, mask=m, other=0) + _moved_by(
+            accepted_ptr, moved_last_rows_ptr, moved_unverified_ptr, s, m)
         tl.store(positions_ptr + row, position, mask=m)
         seq = tl.load(moved_seqs_ptr + s, mask=m, other=0).to(tl.int64)
         block = tl.load(tables_ptr + seq * stride_t + position // block_size, mask=m, other=0).to(tl.int64)
@@ -63,8 +77,7 @@ def _fill_kernel(input_ids_ptr, positions_ptr, slots_ptr, seq_lens_ptr, tables_p
         i = start + offs
         m = i < num_moved
         seq = tl.load(moved_seqs_ptr + i, mask=m, other=0)
-        delta = (tl.load(accepted_ptr + tl.load(moved_last_rows_ptr + i, mask=m, other=0), mask=m, other=0)
-                 - tl.load(moved_unverified_ptr + i, mask=m, other=0))
+        delta = _moved_by(accepted_ptr, moved_last_rows_ptr, moved_unverified_ptr, i, m)
         length = tl.load(seq_lens_ptr + seq, mask=m, other=0)
         tl.store(seq_lens_ptr + seq, length + delta.to(length.dtype), mask=m)
 
